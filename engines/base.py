@@ -1,0 +1,197 @@
+"""The engine contract shared by every backend.
+
+An engine takes prompt token ids (rendered once by `engines.prompt`) plus `SamplingParams` and
+yields `GenerationDelta`s. Streaming and non-streaming share this one path: a non-streamed
+response is the concatenation of the deltas. Engines are plain async objects; Ray lives in
+`deployments/` only.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(Exception):
+    """Base class for errors an engine raises; the ingress maps each subclass to a status code."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(EngineError):
+    """The request cannot be served as asked (e.g. prompt longer than the context). HTTP 400."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class NotSupportedError(EngineError):
+    """The backend lacks a capability the request needs. HTTP 400, naming feature and backend."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class EngineUnavailableError(EngineError):
+    """The engine is dead or not started. HTTP 503."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class ModelLoadError(EngineError):
+    """Model files are missing or corrupt; the message names the path."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters, OpenAI/vLLM names.
+
+    `None` means "use the model's configured default" (LLaMA-Factory's generating arguments);
+    `resolve_defaults` fills them in. `temperature == 0` means greedy decoding.
+    """
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature
+
+    def resolve_defaults(self, *, do_sample: bool, temperature: float, top_p: float, top_k: int,
+                         repetition_penalty: float) -> "SamplingParams":
+        """Return a copy with unset fields taken from the config's generating defaults.
+
+        Mirrors LLaMA-Factory's HF engine: `do_sample=False` in the config means greedy unless
+        the request sets a temperature; a temperature of 0 means greedy.
+        """
+        params = dataclasses.replace(self)
+        if params.temperature is None:
+            params.temperature = temperature if do_sample else 0.0
+        if params.top_p is None:
+            params.top_p = top_p
+        if params.top_k is None:
+            params.top_k = top_k
+        if params.repetition_penalty is None:
+            params.repetition_penalty = repetition_penalty
+        return params
+
+
+@dataclass
+class GenerationRequest:
+    """One generation: prompt token ids (shape `[prompt_len]`), sampling params and an ID."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    lora_name: str | None = None
+
+
+@dataclass
+class Usage:
+    """Token counts for a whole request (all `n` choices), as OpenAI reports them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class GenerationDelta:
+    """A piece of one choice's output.
+
+    `index` is the choice (0..n-1); `text` the newly decoded text; `num_tokens` how many tokens
+    were generated for it since the previous delta of that choice. `finish_reason` is set on the
+    last delta of a choice; `usage` on the last delta of the whole request.
+    """
+
+    index: int = 0
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the ingress refuses what is missing with a clear 400."""
+
+    backend: str
+    streaming: bool = True
+    n: bool = True
+    seed: bool = True
+    stop_strings: bool = True
+    logprobs: bool = False
+    presence_frequency_penalty: bool = True
+    min_p: bool = True
+    lora: bool = False
+    response_format: bool = False
+    tools_in_template: bool = True
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model that the ingress needs (context length in tokens)."""
+
+    max_model_len: int
+    dtype: str
+    device: str
+
+
+class Engine(abc.ABC):
+    """An inference backend. Lifecycle: construct (cheap) -> `await start()` -> serve -> `shutdown`."""
+
+    capabilities: Capabilities
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model; raises `ModelLoadError` naming the path when it cannot."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Yield deltas until every choice has finished; the last carries `usage`.
+
+        Raises:
+            InvalidRequestError: the request cannot be served (context length, bad stop ids).
+            NotSupportedError: the request needs a capability this backend lacks.
+        Closing the iterator (e.g. on client disconnect) stops generation of this request.
+        """
+
+    @abc.abstractmethod
+    async def check_health(self) -> None:
+        """Return if the engine can serve; raise `EngineUnavailableError` otherwise."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Release the model and any child processes."""
+
+    @abc.abstractmethod
+    def model_info(self) -> ModelInfo:
+        """Facts about the loaded model; valid after `start`."""

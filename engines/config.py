@@ -1,0 +1,227 @@
+"""Engine configuration: LLaMA-Factory's inference arguments as one pydantic schema.
+
+Field names and defaults mirror LLaMA-Factory 0.9.5 (`src/llamafactory/hparams/model_args.py`,
+`generating_args.py`, `data_args.py`), so a LLaMA-Factory inference YAML (`llamafactory-cli api
+CONFIG.yaml`) is a valid model entry as it is. Fields that LLaMA-Factory accepts but that have no
+effect when serving (training and export switches) are accepted too; setting one to a
+non-default value logs a warning instead of being silently dropped. Unknown fields are rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
+
+InferBackend = Literal["huggingface", "vllm", "sglang", "ktransformers"]
+InferDtype = Literal["auto", "float16", "bfloat16", "float32"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the field (and the file, if any)."""
+
+
+# LLaMA-Factory fields that do not change how a model is served. Accepted so that LLaMA-Factory
+# YAMLs load unchanged; a non-default value is reported once in the log.
+_INERT_FIELDS: dict[str, Any] = {
+    "adapter_folder": None,
+    "cache_dir": None,
+    "use_fast_tokenizer": True,
+    "resize_vocab": False,
+    "split_special_tokens": False,
+    "add_tokens": None,
+    "add_special_tokens": None,
+    "new_special_tokens_config": None,
+    "init_special_tokens": "noise_init",
+    "model_revision": "main",
+    "low_cpu_mem_usage": True,
+    "rope_scaling": None,
+    "flash_attn": "auto",
+    "shift_attn": False,
+    "mixture_of_depths": None,
+    "use_unsloth": False,
+    "use_unsloth_gc": False,
+    "enable_liger_kernel": False,
+    "moe_aux_loss_coef": None,
+    "disable_gradient_checkpointing": False,
+    "use_reentrant_gc": True,
+    "upcast_layernorm": False,
+    "upcast_lmhead_output": False,
+    "train_from_scratch": False,
+    "offload_folder": "offload",
+    "use_v1_kernels": False,
+    "hf_hub_token": None,
+    "ms_hub_token": None,
+    "om_hub_token": None,
+    "print_param_status": False,
+    "quantization_method": "bnb",
+    "quantization_bit": None,
+    "quantization_type": "nf4",
+    "double_quantization": True,
+    "quantization_device_map": None,
+    "image_max_pixels": 768 * 768,
+    "image_min_pixels": 32 * 32,
+    "image_do_pan_and_scan": False,
+    "crop_to_patches": False,
+    "video_max_pixels": 256 * 256,
+    "video_min_pixels": 16 * 16,
+    "video_fps": 2.0,
+    "video_maxlen": 128,
+    "use_audio_in_video": False,
+    "audio_sampling_rate": 16000,
+    "num_beams": 1,
+    "max_length": 1024,
+    "length_penalty": 1.0,
+    "tool_format": None,
+    "finetuning_type": "lora",
+    "stage": "sft",
+    "cutoff_len": 2048,
+    "use_kt": False,
+    "kt_expert_checkpoint_path": None,
+    "kt_use_lora_experts": None,
+    "kt_lora_expert_num": None,
+    "kt_lora_expert_intermediate_size": None,
+}
+
+
+class EngineConfig(BaseModel):
+    """How one model is loaded and sampled, whatever the backend.
+
+    Mirrors LLaMA-Factory's `ModelArguments` + `DataArguments.template` + `GeneratingArguments`
+    (same names, same defaults), plus lmserve's own fields, which are marked as such.
+
+    Raises:
+        ConfigError: from `from_dict` for an unknown field or a value of the wrong type, naming
+            the field and the source file.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    # --- model (LLaMA-Factory BaseModelArguments) ---
+    model_name_or_path: str = Field(
+        "smollm2",
+        description="Local directory, hub ID, or `smollm2` for the embedded SmolLM2-135M-Instruct. "
+        "(LLaMA-Factory has no default; lmserve defaults to the embedded model.)",
+    )
+    adapter_name_or_path: str | list[str] | None = Field(
+        None, description="LoRA adapter path(s), comma-separated or a list."
+    )
+    template: str | None = Field(
+        None, description="Chat template: None uses the tokenizer's own chat template."
+    )
+    infer_backend: InferBackend = "huggingface"
+    infer_dtype: InferDtype = Field(
+        "auto", description="auto = the model's dtype where the device supports it."
+    )
+    use_kv_cache: bool = True
+    trust_remote_code: bool = False
+    default_system: str | None = Field(None, description="System prompt used when none is given.")
+    enable_thinking: bool | None = True
+    preserve_thinking: bool = False
+
+    # --- vLLM (LLaMA-Factory VllmArguments) ---
+    vllm_maxlen: int = Field(4096, gt=0)
+    vllm_gpu_util: float = Field(0.7, gt=0, le=1)
+    vllm_enforce_eager: bool = False
+    vllm_max_lora_rank: int = Field(32, gt=0)
+    vllm_config: dict[str, Any] | str | None = None
+    # lmserve: parallelism for vLLM (LLaMA-Factory only exposes it through vllm_config).
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+
+    # --- SGLang (LLaMA-Factory SGLangArguments) ---
+    sglang_maxlen: int = Field(4096, gt=0)
+    sglang_mem_fraction: float = Field(0.7, gt=0, le=1)
+    sglang_tp_size: int = -1
+    sglang_config: dict[str, Any] | str | None = None
+    sglang_lora_backend: Literal["triton", "flashinfer"] = "triton"
+
+    # --- KTransformers (LLaMA-Factory KTransformersArguments + kt-kernel launch flags) ---
+    kt_weight_path: str | None = None
+    kt_method: str | None = None
+    kt_cpuinfer: int | None = None
+    kt_threadpool_count: int | None = None
+    kt_num_gpu_experts: int | None = None
+
+    # --- generation defaults (LLaMA-Factory GeneratingArguments) ---
+    do_sample: bool = True
+    temperature: float = Field(0.95, ge=0)
+    top_p: float = Field(0.7, gt=0, le=1)
+    top_k: int = Field(50, ge=0)
+    max_new_tokens: int = Field(1024, gt=0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    skip_special_tokens: bool = True
+
+    # --- accepted for LLaMA-Factory compatibility, no effect when serving ---
+    extra_inert: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_inert(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        inert = dict(data.pop("extra_inert", {}) or {})
+        for name in list(data):
+            if name in _INERT_FIELDS:
+                inert[name] = data.pop(name)
+        data["extra_inert"] = inert
+        return data
+
+    @model_validator(mode="after")
+    def _warn_inert(self) -> "EngineConfig":
+        for name, value in self.extra_inert.items():
+            if value != _INERT_FIELDS[name]:
+                logger.warning("config field %r=%r has no effect in lmserve", name, value)
+        return self
+
+    @field_validator("model_name_or_path")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @property
+    def adapters(self) -> list[str]:
+        """Adapter paths as a list (LLaMA-Factory splits `adapter_name_or_path` on commas)."""
+        value = self.adapter_name_or_path
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return list(value)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str | None = None) -> "EngineConfig":
+        """Validate a mapping (a YAML model entry) into an `EngineConfig`.
+
+        Args:
+            data: field name -> value, as in a LLaMA-Factory inference YAML.
+            source: where the mapping came from (a file path), for error messages.
+
+        Raises:
+            ConfigError: naming each offending field, e.g. "unknown field 'modle_name_or_path'".
+        """
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source or 'model entry'}: expected a mapping, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def format_validation_error(exc: ValidationError, source: str | None = None) -> str:
+    """One readable line per pydantic error, each naming its field."""
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(part) for part in err["loc"]) or "(root)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown field {field!r}")
+        else:
+            lines.append(f"field {field!r}: {err['msg']} (got {err.get('input')!r})")
+    prefix = f"{source}: " if source else ""
+    return prefix + "invalid engine config: " + "; ".join(lines)
