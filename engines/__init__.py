@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
-from engines.base import Engine
+from engines.base import Capabilities, Engine
 from engines.config import EngineConfig
+
+BUILT_BACKENDS = ("huggingface",)
+
+
+def engine_class(backend: str) -> type[Engine]:
+    """The engine class for an `infer_backend` name (imports only that backend's module).
+
+    Raises:
+        NotImplementedError: for a backend not built yet, naming it.
+    """
+    if backend == "huggingface":
+        from engines.huggingface import HuggingFaceEngine
+
+        return HuggingFaceEngine
+    raise NotImplementedError(
+        f"infer_backend {backend!r} is not available in this version of lmserve "
+        f"(built so far: {', '.join(BUILT_BACKENDS)})"
+    )
+
+
+def engine_capabilities(backend: str) -> Capabilities:
+    """What the backend can do, without loading a model."""
+    return engine_class(backend).capabilities
 
 
 def create_engine(config: EngineConfig) -> Engine:
-    """Build the (unstarted) engine for `config.infer_backend`.
-
-    Raises:
-        NotImplementedError: for backends not built yet, naming the backend.
-    """
-    if config.infer_backend == "huggingface":
-        from engines.huggingface import HuggingFaceEngine
-
-        return HuggingFaceEngine(config)
-    raise NotImplementedError(
-        f"infer_backend {config.infer_backend!r} is not available in this version of lmserve "
-        "(only 'huggingface' is built so far)"
-    )
+    """Build the (unstarted) engine for `config.infer_backend`."""
+    return engine_class(config.infer_backend)(config)

@@ -94,10 +94,10 @@ class HuggingFaceEngine(Engine):
         config: the model's `EngineConfig` (`infer_backend: huggingface`).
     """
 
+    capabilities = Capabilities(backend="huggingface", logprobs=False, lora=False, response_format=False)
+
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.capabilities = Capabilities(backend="huggingface", logprobs=False, lora=False,
-                                         response_format=False)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._model: Any = None
         self._tokenizer: Any = None

@@ -1,0 +1,119 @@
+"""`build_app`: turn `args.models` from serve_config.yaml into a Ray Serve application.
+
+The pattern of Ray Serve LLM's `build_openai_app`: server classes stay plain; this builder merges
+per-backend default deployment options with the user's and only then calls
+`serve.deployment(cls, **options).bind(...)`. Use it from a config file as
+`import_path: deployments.app:build_app`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from deployments.constants import INGRESS_DEPLOYMENT_DEFAULTS, MODEL_DEPLOYMENT_DEFAULTS
+from engines import engine_class
+from engines.config import ConfigError, EngineConfig, format_validation_error
+
+
+class ModelEntry(BaseModel):
+    """One model of the application: `model_id`, Ray Serve `deployment` options, and the
+    `EngineConfig` fields (LLaMA-Factory's inference arguments) flat beside them."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    model_id: str | None = Field(None, description="OpenAI model name; defaults to model_name_or_path")
+    deployment: dict[str, Any] = Field(default_factory=dict)
+
+    def engine_config(self, source: str) -> EngineConfig:
+        return EngineConfig.from_dict(dict(self.model_extra or {}), source=source)
+
+
+class AppArgs(BaseModel):
+    """`args` of the application in serve_config.yaml."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelEntry] = Field(..., min_length=1)
+    api_keys: list[str] | None = Field(None, description="Accepted API keys; default: $API_KEY")
+    ingress_deployment: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """Return `base` with `override` merged in, recursively for nested mappings."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def model_deployment_options(model_id: str, config: EngineConfig, user: dict) -> dict:
+    """Ray Serve options for a model's deployment: backend defaults, then the user's."""
+    opts = deep_merge(MODEL_DEPLOYMENT_DEFAULTS[config.infer_backend], user)
+    if "autoscaling_config" in user:
+        opts.pop("num_replicas", None)
+    opts.setdefault("name", "ModelServer:" + re.sub(r"[^A-Za-z0-9_.:-]", "_", model_id))
+    return opts
+
+
+def parse_args(args: dict[str, Any]) -> tuple[AppArgs, dict[str, EngineConfig]]:
+    """Validate `args`; return them and model ID -> `EngineConfig`.
+
+    Raises:
+        ConfigError: naming the field (and the model entry) that is wrong.
+    """
+    try:
+        app_args = AppArgs.model_validate(args or {})
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, "application args")) from None
+    configs: dict[str, EngineConfig] = {}
+    for i, entry in enumerate(app_args.models):
+        config = entry.engine_config(source=f"models[{i}]")
+        model_id = entry.model_id or config.model_name_or_path
+        if model_id in configs:
+            raise ConfigError(f"models[{i}]: duplicate model_id {model_id!r}")
+        try:
+            engine_class(config.infer_backend)  # fail now for a backend that is not built
+        except NotImplementedError as exc:
+            raise ConfigError(f"models[{i}]: {exc}") from None
+        configs[model_id] = config
+    return app_args, configs
+
+
+def build_app(args: dict[str, Any]):
+    """Build the lmserve application: one `ModelServer` deployment per model, one ingress.
+
+    Args:
+        args: `{"models": [entry, ...], "api_keys": [...], "ingress_deployment": {...}}`, each
+            entry an `EngineConfig` mapping plus `model_id` and `deployment`.
+
+    Returns:
+        A bound Ray Serve application (the ingress), for `serve run`/`serve.run`.
+    """
+    from ray import serve
+
+    from deployments.ingress import OpenAIIngress, app
+    from deployments.model_server import ModelServer
+
+    app_args, configs = parse_args(args)
+    handles, model_configs = {}, {}
+    for entry, (model_id, config) in zip(app_args.models, configs.items()):
+        opts = model_deployment_options(model_id, config, entry.deployment)
+        server = serve.deployment(ModelServer, **opts)
+        engine_fields = config.model_dump(exclude={"extra_inert"})
+        handles[model_id] = server.bind(model_id, engine_fields)
+        model_configs[model_id] = engine_fields
+    ingress_opts = deep_merge(INGRESS_DEPLOYMENT_DEFAULTS, app_args.ingress_deployment)
+    ingress = serve.deployment(serve.ingress(app)(OpenAIIngress), **ingress_opts)
+    return ingress.bind(model_configs, handles, app_args.api_keys)

@@ -1,0 +1,53 @@
+"""`ModelServer`: one engine per Ray Serve replica.
+
+A plain class; `deployments.app.build_app` turns it into a deployment. The model loads in the
+async constructor, so Ray Serve counts the replica ready only once it can serve (Ray Serve LLM's
+`LLMServer` does the same). Ray Serve calls `check_health` periodically; it delegates to the
+engine, so a dead engine gets its replica replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+from deployments.errors import GenerationError
+from engines import create_engine
+from engines.base import GenerationDelta, GenerationRequest, ModelInfo
+from engines.config import EngineConfig
+
+logger = logging.getLogger("ray.serve")
+
+
+class ModelServer:
+    """Serves one model (one `EngineConfig`) on this replica.
+
+    Args:
+        model_id: the OpenAI `model` name this deployment answers to.
+        engine_config: the engine's config, as a mapping or an `EngineConfig`.
+    """
+
+    async def __init__(self, model_id: str, engine_config: dict | EngineConfig):
+        self.model_id = model_id
+        self.config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_dict(engine_config)
+        self.engine = create_engine(self.config)
+        await self.engine.start()
+        logger.info("model %r ready on backend %s", model_id, self.config.infer_backend)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[GenerationDelta] | GenerationError]:
+        """Stream deltas in small lists; an engine error is yielded as a `GenerationError` value
+        (so its status and message reach the ingress intact) and ends the stream."""
+        try:
+            async for delta in self.engine.generate(request):
+                yield [delta]
+        except Exception as exc:  # noqa: BLE001 - every error travels to the ingress as a value
+            yield GenerationError.from_exception(exc)
+
+    async def model_info(self) -> ModelInfo:
+        return self.engine.model_info()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()

@@ -1,0 +1,88 @@
+"""Shared fixtures: the real default model, a real engine, a real local Ray cluster.
+
+Slow fixtures are session-scoped: the model loads once and Ray starts once per test session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import Any
+
+import pytest
+
+TEST_API_KEY = "lmserve-test-key"
+
+
+async def collect(engine, request) -> list:
+    """All deltas of one generation."""
+    return [delta async for delta in engine.generate(request)]
+
+
+def run(coro) -> Any:
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The embedded default model, converted on first use into $LMSERVE_HOME."""
+    from engines.model_source import ensure_embedded_model
+
+    return ensure_embedded_model()
+
+
+@pytest.fixture(scope="session")
+def hf_engine(model_dir):
+    from engines.config import EngineConfig
+    from engines.huggingface import HuggingFaceEngine
+
+    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir)))
+    run(engine.start())
+    yield engine
+    run(engine.shutdown())
+
+
+@pytest.fixture(scope="session")
+def renderer(model_dir):
+    from engines.prompt import PromptRenderer
+
+    return PromptRenderer.from_pretrained(model_dir)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_url(model_dir):
+    """A local Ray cluster with the lmserve app (default model, API key required) deployed.
+
+    Yields the base URL, e.g. http://127.0.0.1:PORT.
+    """
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({
+        "models": [{"model_id": "smollm2", "model_name_or_path": "smollm2",
+                    "deployment": {"ray_actor_options": {"num_cpus": 1}}}],
+        "api_keys": [TEST_API_KEY],
+    })
+    serve.run(app, name="lmserve", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(serve_url):
+    import openai
+
+    return openai.OpenAI(base_url=serve_url + "/v1", api_key=TEST_API_KEY, max_retries=0, timeout=120)

@@ -1,0 +1,76 @@
+"""EngineConfig mirrors LLaMA-Factory's inference arguments; app args validate with clear errors."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.app import model_deployment_options, parse_args
+from engines.config import ConfigError, EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_match_llamafactory():
+    cfg = EngineConfig()
+    assert cfg.infer_backend == "huggingface"
+    assert cfg.infer_dtype == "auto"
+    assert cfg.use_kv_cache is True and cfg.trust_remote_code is False
+    assert (cfg.do_sample, cfg.temperature, cfg.top_p, cfg.top_k) == (True, 0.95, 0.7, 50)
+    assert (cfg.max_new_tokens, cfg.repetition_penalty) == (1024, 1.0)
+    assert (cfg.vllm_maxlen, cfg.vllm_gpu_util, cfg.vllm_enforce_eager, cfg.vllm_max_lora_rank) == (4096, 0.7, False, 32)
+    assert (cfg.sglang_maxlen, cfg.sglang_mem_fraction, cfg.sglang_tp_size, cfg.sglang_lora_backend) == (4096, 0.7, -1, "triton")
+    assert cfg.template is None and cfg.adapter_name_or_path is None
+
+
+def test_llamafactory_inference_yaml_loads_as_is():
+    # The shape of LLaMA-Factory's examples/inference/*.yaml, including a training-only field.
+    cfg = EngineConfig.from_dict(yaml.safe_load("""
+model_name_or_path: saves/llama3-8b
+adapter_name_or_path: saves/lora-a, saves/lora-b
+template: llama3
+infer_backend: vllm
+trust_remote_code: true
+finetuning_type: lora
+"""))
+    assert cfg.infer_backend == "vllm"
+    assert cfg.adapters == ["saves/lora-a", "saves/lora-b"]
+    assert cfg.extra_inert == {"finetuning_type": "lora"}
+
+
+def test_unknown_field_is_rejected_by_name():
+    with pytest.raises(ConfigError, match="unknown field 'modle_name_or_path'"):
+        EngineConfig.from_dict({"modle_name_or_path": "x"}, source="my.yaml")
+    with pytest.raises(ConfigError, match=r"my.yaml: .*field 'infer_backend'"):
+        EngineConfig.from_dict({"infer_backend": "tensorrt"}, source="my.yaml")
+
+
+def test_serve_config_parses_and_builds_options():
+    doc = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    app = doc["applications"][0]
+    assert app["import_path"] == "deployments.app:build_app"
+    app_args, configs = parse_args(app["args"])
+    assert list(configs) == ["smollm2"]
+    opts = model_deployment_options("smollm2", configs["smollm2"], app_args.models[0].deployment)
+    assert opts["name"] == "ModelServer:smollm2"
+    assert opts["ray_actor_options"]["num_cpus"] == 1
+    assert opts["max_ongoing_requests"] >= 1
+
+
+def test_app_args_errors_name_the_entry_and_field():
+    with pytest.raises(ConfigError, match=r"models\[0\].*unknown field 'temprature'"):
+        parse_args({"models": [{"model_name_or_path": "smollm2", "temprature": 0.1}]})
+    with pytest.raises(ConfigError, match="duplicate model_id 'a'"):
+        parse_args({"models": [{"model_id": "a"}, {"model_id": "a"}]})
+    with pytest.raises(ConfigError, match="models"):
+        parse_args({"models": []})
+    with pytest.raises(ConfigError, match="not available"):
+        parse_args({"models": [{"model_id": "a", "infer_backend": "sglang"}]})
+
+
+def test_user_deployment_options_override_defaults():
+    cfg = EngineConfig()
+    opts = model_deployment_options("m", cfg, {"ray_actor_options": {"num_gpus": 1},
+                                              "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}})
+    assert opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
+    assert "num_replicas" not in opts

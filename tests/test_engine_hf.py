@@ -1,0 +1,127 @@
+"""The huggingface engine on the real default model (SmolLM2-135M-Instruct)."""
+
+import asyncio
+
+import pytest
+
+from conftest import collect, run
+from engines.base import GenerationRequest, InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def text_of(deltas, index=0):
+    return "".join(d.text for d in deltas if d.index == index)
+
+
+def finish_of(deltas, index=0):
+    return [d.finish_reason for d in deltas if d.index == index and d.finish_reason]
+
+
+def generate(engine, ids, **params):
+    return run(collect(engine, GenerationRequest("t", ids, SamplingParams(**params))))
+
+
+def test_greedy_answer_mentions_paris(hf_engine, renderer):
+    deltas = generate(hf_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=32)
+    assert "Paris" in text_of(deltas)
+    assert finish_of(deltas) == ["stop"]
+    usage = deltas[-1].usage
+    assert usage.prompt_tokens == len(renderer.render_chat(QUESTION))
+    # every generated token is counted once, including the end-of-turn token
+    assert usage.completion_tokens == sum(d.num_tokens for d in deltas) > 0
+
+
+def test_stop_string_cuts_text(hf_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+    full = text_of(generate(hf_engine, ids, temperature=0, max_tokens=32))
+    assert "Paris" in full
+    deltas = generate(hf_engine, ids, temperature=0, max_tokens=32, stop=["Paris"])
+    assert text_of(deltas) == full[:full.index("Paris")]
+    assert finish_of(deltas) == ["stop"]
+    assert [d.stop_reason for d in deltas if d.finish_reason] == ["Paris"]
+
+
+def test_stop_token_id_ends_generation(hf_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+    full_ids = renderer.tokenizer.encode(text_of(generate(hf_engine, ids, temperature=0, max_tokens=32)))
+    stop_id = full_ids[2]
+    deltas = generate(hf_engine, ids, temperature=0, max_tokens=32, stop_token_ids=[stop_id])
+    assert finish_of(deltas) == ["stop"]
+    assert deltas[-1].usage.completion_tokens == 3
+
+
+def test_max_tokens_one_gives_length(hf_engine, renderer):
+    deltas = generate(hf_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=1)
+    assert finish_of(deltas) == ["length"]
+    assert deltas[-1].usage.completion_tokens == 1
+
+
+def test_ignore_eos_runs_to_max_tokens(hf_engine, renderer):
+    deltas = generate(hf_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=40, ignore_eos=True)
+    assert finish_of(deltas) == ["length"]
+    assert deltas[-1].usage.completion_tokens == 40
+
+
+def test_streamed_deltas_concatenate_to_full_text(hf_engine, renderer):
+    ids = renderer.render_chat([{"role": "user", "content": "Write two sentences about the sea."}])
+    deltas = generate(hf_engine, ids, temperature=0, max_tokens=48)
+    assert len([d for d in deltas if d.text]) > 5  # it really streamed, token by token
+    direct = renderer.tokenizer.decode(
+        hf_engine._model.generate(__import__("torch").tensor([ids]), max_new_tokens=48, do_sample=False)[0][len(ids):],
+        skip_special_tokens=True)
+    assert text_of(deltas) == direct
+
+
+def test_n_two_returns_two_choices(hf_engine, renderer):
+    deltas = generate(hf_engine, renderer.render_chat(QUESTION), temperature=1.0, max_tokens=16, n=2, seed=7)
+    assert {d.index for d in deltas} == {0, 1}
+    assert len(finish_of(deltas, 0)) == len(finish_of(deltas, 1)) == 1
+    assert deltas[-1].usage.completion_tokens == sum(d.num_tokens for d in deltas)
+
+
+def test_seed_repeats_and_differs(hf_engine, renderer):
+    ids = renderer.render_chat([{"role": "user", "content": "Tell me a story."}])
+    a = text_of(generate(hf_engine, ids, temperature=1.0, top_p=1.0, max_tokens=24, seed=1))
+    b = text_of(generate(hf_engine, ids, temperature=1.0, top_p=1.0, max_tokens=24, seed=1))
+    c = text_of(generate(hf_engine, ids, temperature=1.0, top_p=1.0, max_tokens=24, seed=2))
+    assert a == b
+    assert a != c
+
+
+def test_concurrent_requests_get_their_own_answers(hf_engine, renderer):
+    prompts = ["What is the capital of France?", "What is 2 + 2?", "Name a colour of the sky."]
+    ids = [renderer.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    alone = [text_of(generate(hf_engine, i, temperature=0, max_tokens=24)) for i in ids]
+
+    async def together():
+        reqs = [GenerationRequest(f"c{k}", i, SamplingParams(temperature=0, max_tokens=24)) for k, i in enumerate(ids)]
+        return await asyncio.gather(*(collect(hf_engine, r) for r in reqs))
+
+    assert [text_of(d) for d in run(together())] == alone
+    assert "Paris" in alone[0]
+
+
+def test_context_length_is_checked(hf_engine):
+    max_len = hf_engine.model_info().max_model_len
+    with pytest.raises(InvalidRequestError, match=f"{max_len}"):
+        generate(hf_engine, [1] * 10, max_tokens=max_len)
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        generate(hf_engine, [1] * max_len, max_tokens=1)
+
+
+def test_closing_the_stream_stops_generation(hf_engine, renderer):
+    ids = renderer.render_chat([{"role": "user", "content": "Count to one hundred."}])
+
+    async def first_two():
+        gen = hf_engine.generate(GenerationRequest("cancel", ids, SamplingParams(temperature=0, max_tokens=500,
+                                                                                  ignore_eos=True)))
+        got = [await gen.__anext__(), await gen.__anext__()]
+        await gen.aclose()
+        return got
+
+    assert len(run(first_two())) == 2
+    # the engine is free again: a new request completes normally
+    assert "Paris" in text_of(generate(hf_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=16))

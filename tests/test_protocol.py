@@ -1,0 +1,68 @@
+"""Request schema -> engine sampling params, and validation errors -> OpenAI error bodies."""
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from deployments.errors import ModelNotFoundError, to_error_response
+from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from engines.base import InvalidRequestError
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_sampling_params_mapping():
+    req = ChatCompletionRequest(messages=MSG, temperature=0, top_p=0.5, top_k=-1, stop="END",
+                                max_completion_tokens=7, max_tokens=99, n=2, seed=3,
+                                presence_penalty=0.5, stop_token_ids=[5], ignore_eos=True)
+    p = req.to_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k, p.stop, p.max_tokens, p.n, p.seed) == (0, 0.5, 0, ["END"], 7, 2, 3)
+    assert p.greedy and p.presence_penalty == 0.5 and p.stop_token_ids == [5] and p.ignore_eos
+
+
+def test_unset_sampling_fields_fall_back_to_config_defaults():
+    p = ChatCompletionRequest(messages=MSG).to_sampling_params()
+    assert p.temperature is None and p.max_tokens is None
+    r = p.resolve_defaults(do_sample=True, temperature=0.95, top_p=0.7, top_k=50, repetition_penalty=1.0)
+    assert (r.temperature, r.top_p, r.top_k) == (0.95, 0.7, 50)
+    assert p.resolve_defaults(do_sample=False, temperature=0.95, top_p=0.7, top_k=50,
+                              repetition_penalty=1.0).greedy
+
+
+def test_unknown_fields_are_accepted():
+    req = ChatCompletionRequest(messages=MSG, some_future_field=1)
+    assert req.model_extra == {"some_future_field": 1}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": MSG, "temperature": -1}, "temperature"),
+    ({"messages": MSG, "n": 0}, "n"),
+    ({"messages": MSG, "max_tokens": -5}, "max_tokens"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": MSG, "stop": [""]}, "stop"),
+])
+def test_validation_errors_name_the_field(body, param):
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()])
+    status, err = to_error_response(exc)
+    assert status == 400
+    assert err.error.param == param
+    assert err.error.message.startswith(param)
+    assert err.error.type == "invalid_request_error"
+
+
+def test_error_mapping_for_engine_and_model_errors():
+    status, err = to_error_response(ModelNotFoundError("x", ["smollm2"]))
+    assert (status, err.error.param, err.error.code) == (404, "model", "model_not_found")
+    status, err = to_error_response(InvalidRequestError("too long", param="max_tokens"))
+    assert (status, err.error.param) == (400, "max_tokens")
+    status, err = to_error_response(RuntimeError("boom"))
+    assert status == 500 and "RuntimeError" in err.error.message
+
+
+def test_completion_prompt_must_not_be_empty():
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="")
