@@ -53,7 +53,7 @@ def test_serve_config_parses_and_builds_options():
     assert list(configs) == ["smollm2"]
     opts = model_deployment_options("smollm2", configs["smollm2"], app_args.models[0].deployment)
     assert opts["name"] == "ModelServer:smollm2"
-    assert opts["ray_actor_options"]["num_cpus"] == 1
+    assert opts["ray_actor_options"]["num_cpus"] == 2
     assert opts["max_ongoing_requests"] >= 1
 
 

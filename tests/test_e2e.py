@@ -1,0 +1,116 @@
+"""End to end: a local Ray cluster, the lmserve app on the default model, the official client."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from conftest import TEST_API_KEY
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_lists_the_configured_model(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+
+
+def test_chat_answers_paris(client):
+    resp = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=32)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert resp.id.startswith("chatcmpl-")
+
+
+def test_missing_model_uses_the_only_one(serve_url):
+    r = httpx.post(serve_url + "/v1/chat/completions", headers={"authorization": f"Bearer {TEST_API_KEY}"},
+                   json={"messages": QUESTION, "temperature": 0, "max_tokens": 16}, timeout=120)
+    assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    args = dict(model="smollm2", messages=[{"role": "user", "content": "Describe the sea in two sentences."}],
+                temperature=0, max_tokens=40)
+    full = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stream_ends_with_done(serve_url):
+    with httpx.stream("POST", serve_url + "/v1/chat/completions", timeout=120,
+                      headers={"authorization": f"Bearer {TEST_API_KEY}"},
+                      json={"model": "smollm2", "messages": QUESTION, "max_tokens": 4, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    json.loads(lines[0][len("data: "):])
+
+
+def test_completions(client):
+    resp = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert "Paris" in resp.choices[0].text
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 5
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=5, temperature=0, stream=True) if c.choices)
+    assert streamed == resp.choices[0].text
+
+
+def test_n_and_stop_through_the_api(client):
+    resp = client.chat.completions.create(model="smollm2", messages=QUESTION, n=2, temperature=1.0,
+                                          max_tokens=12, seed=5)
+    assert [c.index for c in resp.choices] == [0, 1]
+    resp = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, stop=["Paris"])
+    assert "Paris" not in resp.choices[0].message.content and resp.choices[0].finish_reason == "stop"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=QUESTION)
+    err = info.value.body
+    assert err["param"] == "model" and "no-such-model" in err["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": QUESTION, "temperature": -1}, "temperature"),
+    ({"messages": QUESTION, "n": 0}, "n"),
+    ({"messages": QUESTION, "max_tokens": -5}, "max_tokens"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": QUESTION, "max_tokens": 100000}, "max_tokens"),
+])
+def test_bad_input_is_400_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2", **body)
+    assert info.value.status_code == 400
+    err = info.value.body
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_non_json_body_is_400(serve_url):
+    r = httpx.post(serve_url + "/v1/chat/completions", content=b"{not json",
+                   headers={"authorization": f"Bearer {TEST_API_KEY}", "content-type": "application/json"})
+    assert r.status_code == 400
+    assert "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_api_key_required(serve_url):
+    bad = openai.OpenAI(base_url=serve_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        bad.models.list()
+    assert info.value.body["code"] == "invalid_api_key"
+    r = httpx.post(serve_url + "/v1/chat/completions", json={"messages": QUESTION})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(serve_url + "/health").status_code == 200  # health needs no key
+
+
+def test_server_still_healthy_after_errors(client):
+    test_chat_answers_paris(client)
