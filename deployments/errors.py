@@ -2,17 +2,21 @@
 
 Callers raise; they never build error JSON by hand (the pattern of vLLM's OpenAI server).
 Status codes: validation 400, bad API key 401, unknown model 404 (`param="model"`), body too
-large 413, overload/unavailable 503, not implemented 501, anything else 500.
+large 413, overload/unavailable 503 (a full model deployment: with `Retry-After`), not
+implemented 501, anything else 500.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from fastapi.exceptions import RequestValidationError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.constants import RETRY_AFTER_S
 from deployments.protocol import ErrorInfo, ErrorResponse
 from engines.base import EngineError
 
@@ -43,6 +47,26 @@ class AuthenticationError(APIError):
     status_code = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+
+class OverloadedError(APIError):
+    """The model deployment's queue is full (Ray Serve's `max_queued_requests`): answered at once
+    with 503 (or 429 where the deployment's `backpressure_config` says so) and `Retry-After`."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = RETRY_AFTER_S, status_code: int | None = None):
+        super().__init__(message, status_code=status_code)
+        self.retry_after_s = retry_after_s
+        if self.status_code == 429:
+            self.error_type = "rate_limit_error"
+
+    @classmethod
+    def from_backpressure(cls, exc: BackPressureError) -> "OverloadedError":
+        retry = exc.retry_after_s if exc.retry_after_s is not None else RETRY_AFTER_S
+        return cls(f"The model is overloaded, retry later ({exc.message})", retry, exc.status_code)
 
 
 class ModelNotFoundError(APIError):
@@ -103,6 +127,8 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
 
 def to_error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
     """Map any exception to (HTTP status, OpenAI error body)."""
+    if isinstance(exc, BackPressureError):
+        exc = OverloadedError.from_backpressure(exc)
     if isinstance(exc, APIError):
         status, info = exc.status_code, ErrorInfo(message=exc.message, type=exc.error_type,
                                                   param=exc.param, code=exc.code)
@@ -117,9 +143,21 @@ def to_error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
         status = exc.status_code
         kind = "invalid_request_error" if 400 <= status < 500 else "internal_error"
         info = ErrorInfo(message=str(exc.detail), type=kind)
+    elif isinstance(exc, DeploymentUnavailableError):
+        status, info = 503, ErrorInfo(message=exc.message, type="service_unavailable")
     elif isinstance(exc, NotImplementedError):
         status, info = 501, ErrorInfo(message=str(exc), type="not_implemented")
     else:
         logger.exception("unhandled error", exc_info=exc)
         status, info = 500, ErrorInfo(message=f"internal error: {type(exc).__name__}", type="internal_error")
     return status, ErrorResponse(error=info)
+
+
+def error_headers(exc: BaseException) -> dict[str, str]:
+    """Extra HTTP headers for an error response: `Retry-After` (whole seconds) on back-pressure,
+    from the deployment's `backpressure_config.retry_after_s`, else `LMSERVE_RETRY_AFTER_S`."""
+    if isinstance(exc, BackPressureError):
+        exc = OverloadedError.from_backpressure(exc)
+    if isinstance(exc, OverloadedError):
+        return {"retry-after": str(math.ceil(exc.retry_after_s))}
+    return {}

@@ -16,20 +16,26 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator
+from functools import partial
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ray.serve.exceptions import BackPressureError
+
 from deployments.errors import (
     AuthenticationError,
     BadRequestError,
     GenerationError,
     ModelNotFoundError,
+    OverloadedError,
+    error_headers,
     to_error_response,
 )
+from deployments.metrics import ingress_metrics
 from deployments.protocol import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -59,9 +65,13 @@ app = FastAPI(title="lmserve", description="OpenAI-compatible API for models ser
 
 async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
     status, body = to_error_response(exc)
-    return JSONResponse(body.model_dump(), status_code=status)
+    # labelled by the model once the handler has resolved it (`_label_request`)
+    ingress_metrics().count_error(status, *getattr(request.state, "metric_labels", ("", "")))
+    return JSONResponse(body.model_dump(), status_code=status, headers=error_headers(exc))
 
 
+# Ray Serve installs its own plain-text handler for `BackPressureError` on this app after the
+# constructor, so `_start_stream` turns that one into an `OverloadedError` where it arises.
 for _exc_type in (RequestValidationError, StarletteHTTPException, Exception):
     app.add_exception_handler(_exc_type, _error_handler)
 
@@ -92,6 +102,8 @@ class OpenAIIngress:
     async def __init__(self, models: dict[str, dict], handles: dict[str, Any], api_keys: list[str] | None = None):
         self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), handles[mid]) for mid, cfg in models.items()}
         self.api_keys = [k.encode() for k in (api_keys if api_keys is not None else _api_keys_from_env())]
+        self.metrics = ingress_metrics()
+        self.metrics.add_models({mid: e.config.infer_backend for mid, e in self.models.items()})
         await asyncio.gather(*(self._load_renderer(entry) for entry in self.models.values()))
 
     @staticmethod
@@ -104,6 +116,11 @@ class OpenAIIngress:
         )
 
     # ---- helpers -------------------------------------------------------------------------
+
+    @staticmethod
+    def _label_request(request: Request, entry: _ModelEntry) -> None:
+        """An error answered for this request from now on is counted under this model."""
+        request.state.metric_labels = (entry.model_id, entry.config.infer_backend)
 
     def _authorize(self, request: Request) -> None:
         if not self.api_keys:
@@ -146,22 +163,36 @@ class OpenAIIngress:
         # Ray Serve's proxy sets x-request-id (from the client's header when it sent one).
         return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
 
-    async def _stream(self, entry: _ModelEntry, gen_request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Deltas from the model's replica; a `GenerationError` value is raised here."""
-        async for item in entry.handle.generate.remote(gen_request):
-            if isinstance(item, GenerationError):
-                raise _GenerationFailed(item)
-            for delta in item:
-                yield delta
+    async def _stream(self, entry: _ModelEntry, gen_request: GenerationRequest, arrival: float) -> AsyncIterator[GenerationDelta]:
+        """Deltas from the model's replica; a `GenerationError` value is raised here. Every
+        delta passes here, so this is where the request's metrics are recorded."""
+        tracker = self.metrics.track(entry.model_id, entry.config.infer_backend, n=gen_request.sampling_params.n,
+                                     prompt_tokens=len(gen_request.prompt_token_ids), arrival=arrival)
+        outcome = "failed"
+        try:
+            async for item in entry.handle.generate.remote(gen_request):
+                if isinstance(item, GenerationError):
+                    raise _GenerationFailed(item)
+                for delta in item:
+                    tracker.on_delta(delta)
+                    yield delta
+            outcome = "completed"
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "aborted"  # the client went away (or the stream was dropped) mid-way
+            raise
+        finally:
+            tracker.close(outcome)
 
-    async def _start_stream(self, entry: _ModelEntry, gen_request: GenerationRequest) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
+    async def _start_stream(self, entry: _ModelEntry, gen_request: GenerationRequest, arrival: float) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
         """Start generation and wait for its first delta, so errors found before any output
         (context length, bad params) still get a proper status code instead of a 200 stream."""
-        stream = self._stream(entry, gen_request)
+        stream = self._stream(entry, gen_request, arrival)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
             return [], stream
+        except BackPressureError as exc:  # the deployment's queue is full: 503 + Retry-After at once
+            raise OverloadedError.from_backpressure(exc) from None
         except _GenerationFailed as exc:
             raise exc.error_as_exception() from None
         return [first], stream
@@ -185,8 +216,10 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        arrival = time.monotonic()
         self._authorize(request)
         entry = self._resolve_model(body.model)
+        self._label_request(request, entry)
         self._check_capabilities(entry, body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         prompt_ids = await asyncio.to_thread(
@@ -195,12 +228,13 @@ class OpenAIIngress:
         )
         request_id = self._request_id(request, "chatcmpl")
         gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
-        first, stream = await self._start_stream(entry, gen_request)
+        first, stream = await self._start_stream(entry, gen_request, arrival)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage)
-            return _sse_response(chunks, request_id)
+            return _sse_response(chunks, request_id, partial(self.metrics.count_error, model_id=entry.model_id,
+                                                             backend=entry.config.infer_backend))
         texts, finish, stop_reasons, usage = await _collect(body.n, first, stream)
         return _json_response(ChatCompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
@@ -211,8 +245,10 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
+        arrival = time.monotonic()
         self._authorize(request)
         entry = self._resolve_model(body.model)
+        self._label_request(request, entry)
         self._check_capabilities(entry, body)
         for feature, used in (("echo", body.echo), ("suffix", body.suffix is not None),
                               ("best_of", (body.best_of or 1) > 1)):
@@ -227,12 +263,13 @@ class OpenAIIngress:
         prompt_ids = await asyncio.to_thread(entry.renderer.render_completion, prompt)
         request_id = self._request_id(request, "cmpl")
         gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
-        first, stream = await self._start_stream(entry, gen_request)
+        first, stream = await self._start_stream(entry, gen_request, arrival)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
-            return _sse_response(chunks, request_id)
+            return _sse_response(chunks, request_id, partial(self.metrics.count_error, model_id=entry.model_id,
+                                                             backend=entry.config.infer_backend))
         texts, finish, stop_reasons, usage = await _collect(body.n, first, stream)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
@@ -321,16 +358,18 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _sse_response(chunks: AsyncIterator[str], request_id: str) -> StreamingResponse:
+def _sse_response(chunks: AsyncIterator[str], request_id: str, count_error: Callable[[int], None]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for text in chunks:
                 yield text
         except _GenerationFailed as exc:
-            _, err = to_error_response(exc.error)
+            status, err = to_error_response(exc.error)
+            count_error(status)
             yield _sse(err.model_dump())
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            _, err = to_error_response(exc)
+            status, err = to_error_response(exc)
+            count_error(status)
             yield _sse(err.model_dump())
         yield "data: [DONE]\n\n"
 

@@ -56,23 +56,49 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Ray exports metrics every 2 s instead of 10 s, and Ray Serve's handles and replicas report
+# their load to the autoscaler every 2 s instead of 10 s: tests that scrape or scale wait less.
+TEST_RAY_ENV = {
+    "RAY_metrics_report_interval_ms": "2000",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
+}
+METRICS_EXPORT_INTERVAL_S = 2
+
+
 @pytest.fixture(scope="session")
-def serve_url(model_dir):
+def metrics_port() -> int:
+    return _free_port()
+
+
+@pytest.fixture(scope="session")
+def metrics_url(serve_url, metrics_port) -> str:
+    """Ray's Prometheus endpoint on the session's local cluster."""
+    return f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+@pytest.fixture(scope="session")
+def serve_url(model_dir, metrics_port):
     """A local Ray cluster with the lmserve app (default model, API key required) deployed.
 
-    Yields the base URL, e.g. http://127.0.0.1:PORT.
+    Yields the base URL, e.g. http://127.0.0.1:PORT. Ray's Prometheus endpoint is on
+    `metrics_port`. The model deployment autoscales between 1 and 1 replica: the autoscaler
+    runs (and reports its metrics) but leaves the 2 CPUs' second half to other tests' apps.
     """
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
+    for key, value in TEST_RAY_ENV.items():
+        os.environ.setdefault(key, value)
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({
         "models": [{"model_id": "smollm2", "model_name_or_path": "smollm2",
-                    "deployment": {"ray_actor_options": {"num_cpus": 1}}}],
+                    "deployment": {"ray_actor_options": {"num_cpus": 1},
+                                   "autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}}],
         "api_keys": [TEST_API_KEY],
     })
     serve.run(app, name="lmserve", route_prefix="/")
@@ -86,3 +112,30 @@ def client(serve_url):
     import openai
 
     return openai.OpenAI(base_url=serve_url + "/v1", api_key=TEST_API_KEY, max_retries=0, timeout=120)
+
+
+def scrape_metrics(url: str, prefix: str = "ray_lmserve_") -> dict[tuple, float]:
+    """Ray's Prometheus text at `url`, parsed with prometheus_client: samples whose name starts
+    with `prefix`, summed over Ray's own labels (WorkerId, NodeAddress, ...), keyed by
+    `(sample name, ((label, value), ...))` with only lmserve's labels."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    keep = {"model_id", "backend", "finish_reason", "status", "le"}
+    out: dict[tuple, float] = {}
+    text = httpx.get(url, timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                key = (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k in keep)))
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def metric_names(url: str) -> set[str]:
+    """Every sample name on Ray's Prometheus endpoint at `url`."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=30).text
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
