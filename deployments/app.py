@@ -59,10 +59,20 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 
 def model_deployment_options(model_id: str, config: EngineConfig, user: dict) -> dict:
-    """Ray Serve options for a model's deployment: backend defaults, then the user's."""
+    """Ray Serve options for a model's deployment: backend defaults, then the user's.
+
+    The deployment autoscales with the backend's `autoscaling_config` defaults (the user's
+    `autoscaling_config` is merged over them, so `target_ongoing_requests` is always explicit),
+    unless the user pins an integer `num_replicas`; `num_replicas: auto` means the defaults.
+    """
+    user = dict(user)
+    if user.get("num_replicas") == "auto":
+        del user["num_replicas"]
     opts = deep_merge(MODEL_DEPLOYMENT_DEFAULTS[config.infer_backend], user)
-    if "autoscaling_config" in user:
-        opts.pop("num_replicas", None)
+    if "num_replicas" in user:
+        if "autoscaling_config" in user:
+            raise ConfigError(f"model {model_id!r}: deployment sets both num_replicas and autoscaling_config")
+        opts.pop("autoscaling_config", None)
     opts.setdefault("name", "ModelServer:" + re.sub(r"[^A-Za-z0-9_.:-]", "_", model_id))
     return opts
 

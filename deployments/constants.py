@@ -13,6 +13,29 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+# How many ongoing requests (running + queued) one replica should carry, per backend: the
+# autoscaler adds replicas above it. Always explicit: Ray Serve LLM's default (1e9) means that a
+# deployment never scales.
+TARGET_ONGOING_REQUESTS: dict[str, float] = {
+    # Requests interleave token by token on one worker thread, so a replica's tokens/s stays
+    # flat as requests are added: beyond a few, each stream only gets slower (~24 tok/s shared
+    # on 2 CPU cores).
+    "huggingface": _env_float("LMSERVE_HF_TARGET_ONGOING_REQUESTS", 4),
+}
+
+# Autoscaling of every model deployment (Ray Serve `autoscaling_config`), unless its
+# `deployment` entry pins `num_replicas`. Ray Serve applies the bounds and delays around the
+# policy (deployments/autoscaling.py: request count plus queued requests).
+AUTOSCALING_DEFAULTS: dict = {
+    "min_replicas": _env_int("LMSERVE_MIN_REPLICAS", 1),
+    "max_replicas": _env_int("LMSERVE_MAX_REPLICAS", 4),
+    # Loading a model takes seconds to minutes, so scale up soon and down reluctantly.
+    "upscale_delay_s": _env_float("LMSERVE_UPSCALE_DELAY_S", 15),
+    "downscale_delay_s": _env_float("LMSERVE_DOWNSCALE_DELAY_S", 300),
+    "look_back_period_s": _env_float("LMSERVE_LOOK_BACK_PERIOD_S", 30),
+    "policy": {"policy_function": "deployments.autoscaling:queue_aware_policy"},
+}
+
 # `Retry-After` (seconds) of a 503 answered because a deployment's queue is full, unless the
 # deployment's `backpressure_config.retry_after_s` sets it.
 RETRY_AFTER_S = _env_float("LMSERVE_RETRY_AFTER_S", 1)
@@ -22,11 +45,15 @@ RETRY_AFTER_S = _env_float("LMSERVE_RETRY_AFTER_S", 1)
 GAUGE_REFRESH_S = _env_float("LMSERVE_GAUGE_REFRESH_S", 1)
 
 
+def _autoscaling(backend: str) -> dict:
+    return {**AUTOSCALING_DEFAULTS, "target_ongoing_requests": TARGET_ONGOING_REQUESTS[backend]}
+
+
 # Per-backend default options for a model's `ModelServer` deployment; the user's `deployment`
 # entry is deep-merged over these (see deployments/app.py).
 MODEL_DEPLOYMENT_DEFAULTS: dict[str, dict] = {
     "huggingface": {
-        "num_replicas": 1,
+        "autoscaling_config": _autoscaling("huggingface"),
         "max_ongoing_requests": _env_int("LMSERVE_HF_MAX_ONGOING_REQUESTS", 16),
         # Requests beyond this many waiting at one ingress's handle get a 503 at once
         # (Ray Serve's back-pressure, mapped in deployments/errors.py) instead of queueing.
