@@ -3,6 +3,8 @@
     lmserve serve [CONFIG]   run a Ray Serve config (default: serve_config.yaml), like `serve run`
     lmserve download [NAME]  fetch and convert a model into the cache (default: smollm2)
     lmserve check CONFIG     validate a serve config's models without starting anything
+    lmserve render-k8s       copy serve_config.yaml into k8s/rayservice.yaml's serveConfigV2
+                             (--check: only say whether they differ)
 """
 
 from __future__ import annotations
@@ -46,6 +48,27 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _render_k8s(args: argparse.Namespace) -> int:
+    from deployments.rayservice import ManifestError, render_rayservice
+
+    manifest_path = Path(args.manifest)
+    manifest = manifest_path.read_text()
+    try:
+        rendered = render_rayservice(manifest, Path(args.config).read_text())
+    except ManifestError as exc:
+        print(f"{manifest_path}: {exc}", file=sys.stderr)
+        return 2
+    if rendered == manifest:
+        print(f"{manifest_path}: serveConfigV2 is {args.config}")
+        return 0
+    if args.check:
+        print(f"{manifest_path}: serveConfigV2 differs from {args.config}; run `lmserve render-k8s`", file=sys.stderr)
+        return 1
+    manifest_path.write_text(rendered)
+    print(f"{manifest_path}: serveConfigV2 <- {args.config}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmserve", description="Serve LLMs on Ray Serve with an OpenAI-compatible API.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="validate the models of a serve config")
     p.add_argument("config", nargs="?", default="serve_config.yaml")
     p.set_defaults(func=_check)
+    p = sub.add_parser("render-k8s", help="copy a serve config into a RayService manifest's serveConfigV2")
+    p.add_argument("--config", default="serve_config.yaml")
+    p.add_argument("--manifest", default="k8s/rayservice.yaml")
+    p.add_argument("--check", action="store_true", help="exit 1 if they differ, change nothing")
+    p.set_defaults(func=_render_k8s)
     args = parser.parse_args(argv)
     return args.func(args)
 

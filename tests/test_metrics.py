@@ -126,3 +126,21 @@ def test_client_disconnect_counts_as_abort(serve_url, metrics_url):
     assert _moved(before, after, "ray_lmserve_time_to_first_token_seconds_count", MODEL) == 1
     assert after[("ray_lmserve_num_requests_running", MODEL)] == 0
 
+
+def test_every_defined_metric_and_every_queried_one_is_on_the_endpoint(metrics_url):
+    """The names in README, dashboard and KEDA example are checked against `METRICS` by the fast
+    tests (tests/test_k8s.py); this checks that those and Ray Serve's are really exported."""
+    from test_k8s import queried_metric_names
+
+    # Ray drops a gauge that is not set again within two export intervals (4 s here), and Ray
+    # Serve sets some only every health check (10 s): collect the names over a few scrapes.
+    defined = {spec.prometheus_name + suffix for spec in METRICS
+               for suffix in (("_count", "_sum", "_bucket") if spec.kind == "histogram" else ("",))}
+    wanted = defined | queried_metric_names()
+    names: set[str] = set()
+    deadline = time.monotonic() + 60
+    while not wanted <= names and time.monotonic() < deadline:
+        names |= metric_names(metrics_url)
+        time.sleep(1)
+    assert defined <= names, f"defined but not exported: {sorted(defined - names)}"
+    assert wanted <= names, f"queried but not exported: {sorted(wanted - names)}"
