@@ -2,7 +2,8 @@
 
 Per request: parse and validate (deployments/protocol.py) -> check the API key -> resolve the
 model ID to its deployment -> render the prompt once (engines/prompt.py) -> stream deltas from a
-`ModelServer` replica over a `DeploymentHandle` -> OpenAI JSON or SSE chunks.
+`ModelServer` replica over a `DeploymentHandle` -> OpenAI JSON or SSE chunks. The ingress sees
+each request's whole life, so it records lmserve's Prometheus metrics (deployments/metrics.py).
 The class is plain; `deployments.app.build_app` wraps it with `serve.ingress(app)` and
 `serve.deployment`.
 """
