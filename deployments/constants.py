@@ -33,3 +33,7 @@ INGRESS_DEPLOYMENT_DEFAULTS: dict = {
     # The ingress only parses, renders prompts and relays tokens: it reserves no CPU of its own.
     "ray_actor_options": {"num_cpus": _env_float("LMSERVE_INGRESS_NUM_CPUS", 0)},
 }
+
+# Deltas are grouped for this long before they cross from a replica to the ingress (the first
+# delta of a request goes at once). Ray Serve LLM uses 50 ms.
+STREAM_BATCHING_INTERVAL_S: float = _env_float("LMSERVE_STREAM_BATCHING_INTERVAL_MS", 50) / 1000

@@ -122,6 +122,12 @@ class EngineConfig(BaseModel):
     enable_thinking: bool | None = True
     preserve_thinking: bool = False
 
+    # lmserve: continuous batching on the huggingface backend (LLaMA-Factory serves one at a time).
+    hf_max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together per replica.")
+    hf_max_batch_tokens: int = Field(
+        65536, ge=1, description="Most tokens (prompt + max new tokens, per sequence) reserved by the "
+        "running batch; bounds KV cache memory. Requests beyond either limit wait in the replica.")
+
     # --- vLLM (LLaMA-Factory VllmArguments) ---
     vllm_maxlen: int = Field(4096, gt=0)
     vllm_gpu_util: float = Field(0.7, gt=0, le=1)
