@@ -32,6 +32,9 @@ INGRESS_DEPLOYMENT_DEFAULTS: dict = {
     "max_ongoing_requests": _env_int("LMSERVE_INGRESS_MAX_ONGOING_REQUESTS", 1000),
     # The ingress only parses, renders prompts and relays tokens: it reserves no CPU of its own.
     "ray_actor_options": {"num_cpus": _env_float("LMSERVE_INGRESS_NUM_CPUS", 0)},
+    # In-flight streams pass through the ingress too: on redeploy or scale-down it waits for
+    # them as long as the model servers do.
+    "graceful_shutdown_timeout_s": _env_float("LMSERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", 60),
 }
 
 # Deltas are grouped for this long before they cross from a replica to the ingress (the first

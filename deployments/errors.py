@@ -55,6 +55,32 @@ class ModelNotFoundError(APIError):
                          param="model")
 
 
+class RequestTimeoutError(APIError):
+    """The request ran past its deadline (`request_timeout_s`) and was stopped."""
+
+    status_code = 504
+    error_type = "timeout"
+
+
+class ReplicaFailedError(APIError):
+    """The replica serving the request died; the client may retry."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    retry_after = 1
+
+
+def is_replica_failure(exc: BaseException) -> bool:
+    """True for errors that mean the replica (its process or actor) is gone, not that the
+    request was bad: safe to retry elsewhere if nothing was sent yet."""
+    from ray import exceptions as ray_exceptions
+
+    kinds = tuple(getattr(ray_exceptions, name) for name in (
+        "RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
+        "NodeDiedError", "OwnerDiedError") if hasattr(ray_exceptions, name))
+    return isinstance(exc, kinds)
+
+
 @dataclass
 class GenerationError:
     """An engine error carried as a value across the Ray boundary (model server -> ingress)."""
@@ -117,6 +143,9 @@ def to_error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
         status = exc.status_code
         kind = "invalid_request_error" if 400 <= status < 500 else "internal_error"
         info = ErrorInfo(message=str(exc.detail), type=kind)
+    elif is_replica_failure(exc):
+        status, info = 503, ErrorInfo(message="the model replica serving this request failed; retry the request",
+                                      type="service_unavailable")
     elif isinstance(exc, NotImplementedError):
         status, info = 501, ErrorInfo(message=str(exc), type="not_implemented")
     else:

@@ -3,8 +3,10 @@
 Per request: parse and validate (deployments/protocol.py) -> check the API key -> resolve the
 model ID to its deployment -> render the prompt once (engines/prompt.py) -> stream deltas from a
 `ModelServer` replica over a `DeploymentHandle` -> OpenAI JSON or SSE chunks.
-The class is plain; `deployments.app.build_app` wraps it with `serve.ingress(app)` and
-`serve.deployment`.
+The class is plain; `deployments.app.build_app` wraps it with `serve.ingress()` and
+`serve.deployment`. Its FastAPI app is built per replica by `create_app`, after the constructor
+(Ray Serve's `__serve_build_asgi_app__` hook), so HTTP settings (CORS, body size limit) come from
+the application's args.
 """
 
 from __future__ import annotations
@@ -19,17 +21,23 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.errors import (
+    APIError,
     AuthenticationError,
     BadRequestError,
     GenerationError,
     ModelNotFoundError,
+    RequestTimeoutError,
+    is_replica_failure,
     to_error_response,
 )
+from deployments.middleware import BodySizeLimitMiddleware
+from deployments.settings import IngressSettings
 from deployments.protocol import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -54,21 +62,29 @@ from engines.prompt import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
 
-app = FastAPI(title="lmserve", description="OpenAI-compatible API for models served on Ray Serve")
-
-
 async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
     status, body = to_error_response(exc)
-    return JSONResponse(body.model_dump(), status_code=status)
+    headers = {"retry-after": str(exc.retry_after)} if getattr(exc, "retry_after", None) else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-for _exc_type in (RequestValidationError, StarletteHTTPException, Exception):
-    app.add_exception_handler(_exc_type, _error_handler)
-
-
-def _api_keys_from_env() -> list[str]:
-    """`API_KEY` (LLaMA-Factory's variable); several keys may be given comma-separated."""
-    return [k.strip() for k in os.environ.get("API_KEY", "").split(",") if k.strip()]
+def create_app(ingress: "OpenAIIngress") -> FastAPI:
+    """The FastAPI app of one ingress replica: routes bound to `ingress`, OpenAI-shaped errors,
+    a request body size limit (413) and CORS for the configured origins only."""
+    app = FastAPI(title="lmserve", description="OpenAI-compatible API for models served on Ray Serve")
+    for exc_type in (RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, _error_handler)
+    app.get("/health")(ingress.health)
+    app.get("/v1/models")(ingress.list_models)
+    app.get("/v1/models/{model_id:path}")(ingress.get_model)
+    app.post("/v1/chat/completions")(ingress.chat_completions)
+    app.post("/v1/completions")(ingress.completions)
+    settings = ingress.settings
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-request-id"])
+    return app
 
 
 class _ModelEntry:
@@ -86,13 +102,17 @@ class OpenAIIngress:
     Args:
         models: model ID -> engine config mapping (the `EngineConfig` fields).
         handles: model ID -> `DeploymentHandle` of that model's `ModelServer`.
-        api_keys: accepted API keys; `None` reads `API_KEY` from the environment; empty = open.
+        settings: HTTP settings (`IngressSettings` fields): API keys, CORS, limits, deadline.
     """
 
-    async def __init__(self, models: dict[str, dict], handles: dict[str, Any], api_keys: list[str] | None = None):
+    async def __init__(self, models: dict[str, dict], handles: dict[str, Any], settings: dict | None = None):
+        self.settings = IngressSettings.model_validate(settings or {})
         self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), handles[mid]) for mid, cfg in models.items()}
-        self.api_keys = [k.encode() for k in (api_keys if api_keys is not None else _api_keys_from_env())]
+        self.api_keys = [k.encode() for k in self.settings.resolve_api_keys()]
         await asyncio.gather(*(self._load_renderer(entry) for entry in self.models.values()))
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self)
 
     @staticmethod
     async def _load_renderer(entry: _ModelEntry) -> None:
@@ -146,44 +166,86 @@ class OpenAIIngress:
         # Ray Serve's proxy sets x-request-id (from the client's header when it sent one).
         return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
 
-    async def _stream(self, entry: _ModelEntry, gen_request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Deltas from the model's replica; a `GenerationError` value is raised here."""
-        async for item in entry.handle.generate.remote(gen_request):
-            if isinstance(item, GenerationError):
-                raise _GenerationFailed(item)
-            for delta in item:
-                yield delta
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self.settings.request_timeout_s
 
-    async def _start_stream(self, entry: _ModelEntry, gen_request: GenerationRequest) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
-        """Start generation and wait for its first delta, so errors found before any output
-        (context length, bad params) still get a proper status code instead of a 200 stream."""
-        stream = self._stream(entry, gen_request)
+    async def _stream(self, entry: _ModelEntry, gen_request: GenerationRequest,
+                      deadline: float) -> AsyncIterator[GenerationDelta]:
+        """Deltas from a replica of the model. A `GenerationError` value is raised here as
+        `_GenerationFailed`; past `deadline` (event-loop time) `RequestTimeoutError` is raised.
+        Leaving early (error, deadline, client gone) cancels the request on the replica."""
+        loop = asyncio.get_running_loop()
+        response = entry.handle.generate.remote(gen_request)
         try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            return [], stream
-        except _GenerationFailed as exc:
-            raise exc.error_as_exception() from None
-        return [first], stream
+            while True:
+                try:
+                    item = await asyncio.wait_for(response.__anext__(), max(0.0, deadline - loop.time()))
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise RequestTimeoutError(
+                        f"request {gen_request.request_id} did not finish within "
+                        f"{self.settings.request_timeout_s:g} s and was stopped") from None
+                if isinstance(item, GenerationError):
+                    raise _GenerationFailed(item)
+                for delta in item:
+                    yield delta
+        finally:
+            response.cancel()
+
+    async def _start_stream(self, entry: _ModelEntry, gen_request: GenerationRequest,
+                            deadline: float) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
+        """Start generation and wait for its first delta, so errors found before any output
+        (context length, bad params) still get a proper status code instead of a 200 stream.
+        A replica that dies before the first delta is retried once (nothing was sent yet)."""
+        for attempt in (1, 2):
+            stream = self._stream(entry, gen_request, deadline)
+            try:
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                return [], stream
+            except _GenerationFailed as exc:
+                raise exc.error_as_exception() from None
+            except Exception as exc:
+                if attempt == 1 and is_replica_failure(exc):
+                    logger.warning("request %s: replica failed before any output (%s); retrying once",
+                                   gen_request.request_id, type(exc).__name__)
+                    continue
+                raise
+            return [first], stream
+        raise AssertionError("unreachable")
+
+    async def _generate_full(self, entry: _ModelEntry, gen_request: GenerationRequest, n: int):
+        """Non-streamed generation: (texts, finish reasons, stop reasons, usage) per choice.
+        Nothing reaches the client before the end, so a replica failure is retried once."""
+        deadline = self._deadline()
+        for attempt in (1, 2):
+            try:
+                first, stream = await self._start_stream(entry, gen_request, deadline)
+                return await _collect(n, first, stream)
+            except Exception as exc:
+                if attempt == 1 and is_replica_failure(exc):
+                    logger.warning("request %s: replica failed mid-generation (%s); retrying once",
+                                   gen_request.request_id, type(exc).__name__)
+                    continue
+                raise
+        raise AssertionError("unreachable")
 
     # ---- routes --------------------------------------------------------------------------
 
-    @app.get("/health")
     async def health(self) -> dict[str, str]:
+        """Liveness of the ingress; needs no API key."""
         return {"status": "ok"}
 
-    @app.get("/v1/models")
     async def list_models(self, request: Request) -> ModelList:
         self._authorize(request)
         return ModelList(data=[ModelCard(id=mid, root=e.config.model_name_or_path) for mid, e in self.models.items()])
 
-    @app.get("/v1/models/{model_id:path}")
     async def get_model(self, model_id: str, request: Request) -> ModelCard:
         self._authorize(request)
         entry = self._resolve_model(model_id)
         return ModelCard(id=entry.model_id, root=entry.config.model_name_or_path)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._authorize(request)
         entry = self._resolve_model(body.model)
@@ -194,22 +256,25 @@ class OpenAIIngress:
             **(body.chat_template_kwargs or {}),
         )
         request_id = self._request_id(request, "chatcmpl")
+        if self.settings.log_prompts:
+            logger.info("%s messages=%r", request_id, messages)
         gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
-        first, stream = await self._start_stream(entry, gen_request)
         created = int(time.time())
         if body.stream:
+            first, stream = await self._start_stream(entry, gen_request, self._deadline())
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage)
-            return _sse_response(chunks, request_id)
-        texts, finish, stop_reasons, usage = await _collect(body.n, first, stream)
+            return _sse_response(chunks)
+        texts, finish, stop_reasons, usage = await self._generate_full(entry, gen_request, body.n)
+        if self.settings.log_prompts:
+            logger.info("%s completions=%r", request_id, texts)
         return _json_response(ChatCompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
             choices=[ChatCompletionChoice(index=i, message=AssistantMessage(content=texts[i]),
                                           finish_reason=finish[i], stop_reason=stop_reasons[i])
                      for i in range(body.n)],
-        ), request_id)
+        ))
 
-    @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._authorize(request)
         entry = self._resolve_model(body.model)
@@ -226,19 +291,21 @@ class OpenAIIngress:
             prompt = prompt[0]
         prompt_ids = await asyncio.to_thread(entry.renderer.render_completion, prompt)
         request_id = self._request_id(request, "cmpl")
+        if self.settings.log_prompts:
+            logger.info("%s prompt=%r", request_id, prompt)
         gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
-        first, stream = await self._start_stream(entry, gen_request)
         created = int(time.time())
         if body.stream:
+            first, stream = await self._start_stream(entry, gen_request, self._deadline())
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
-            return _sse_response(chunks, request_id)
-        texts, finish, stop_reasons, usage = await _collect(body.n, first, stream)
+            return _sse_response(chunks)
+        texts, finish, stop_reasons, usage = await self._generate_full(entry, gen_request, body.n)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
             choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i])
                      for i in range(body.n)],
-        ), request_id)
+        ))
 
     # ---- SSE -----------------------------------------------------------------------------
 
@@ -279,9 +346,7 @@ class _GenerationFailed(Exception):
         super().__init__(error.message)
         self.error = error
 
-    def error_as_exception(self) -> BadRequestError:
-        from deployments.errors import APIError
-
+    def error_as_exception(self) -> APIError:
         err = APIError(self.error.message, param=self.error.param, status_code=self.error.status_code)
         err.error_type = self.error.error_type
         return err
@@ -321,7 +386,7 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _sse_response(chunks: AsyncIterator[str], request_id: str) -> StreamingResponse:
+def _sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for text in chunks:
@@ -335,8 +400,9 @@ def _sse_response(chunks: AsyncIterator[str], request_id: str) -> StreamingRespo
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"x-request-id": request_id, "cache-control": "no-cache"})
+                             headers={"cache-control": "no-cache"})
 
 
-def _json_response(model: Any, request_id: str) -> JSONResponse:
-    return JSONResponse(model.model_dump(), headers={"x-request-id": request_id})
+def _json_response(model: Any) -> JSONResponse:
+    # Ray Serve's proxy returns the request's ID in the `x-request-id` response header.
+    return JSONResponse(model.model_dump())

@@ -47,6 +47,10 @@ class ModelServer:
         except Exception as exc:  # noqa: BLE001 - every error travels to the ingress as a value
             yield GenerationError.from_exception(exc)
 
+    async def engine_stats(self) -> dict[str, int]:
+        """`{"running": requests generating, "waiting": requests queued in the engine}`."""
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting}
+
     async def model_info(self) -> ModelInfo:
         return self.engine.model_info()
 
