@@ -220,6 +220,43 @@ class EngineConfig(BaseModel):
             raise ConfigError(format_validation_error(exc, source)) from None
 
 
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`["key=value", ...]` -> `{key: value}`, values parsed as YAML scalars (LLaMA-Factory's
+    command-line overrides: `infer_backend=vllm vllm_enforce_eager=true`).
+
+    Raises:
+        ConfigError: an item without `=`, naming it.
+    """
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+    return out
+
+
+def load_config_file(path: str, overrides: list[str] | None = None) -> EngineConfig:
+    """Load a LLaMA-Factory inference YAML (or JSON) file, apply `key=value` overrides, validate.
+
+    Raises:
+        ConfigError: unreadable file, not a mapping, or a bad field, naming the file and field.
+    """
+    import yaml
+
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    data.update(parse_overrides(overrides or []))
+    return EngineConfig.from_dict(data, source=path)
+
+
 def format_validation_error(exc: ValidationError, source: str | None = None) -> str:
     """One readable line per pydantic error, each naming its field."""
     lines = []
