@@ -38,6 +38,7 @@ from deployments.errors import (
 )
 from deployments.middleware import BodySizeLimitMiddleware
 from deployments.settings import IngressSettings
+from deployments.tool_calls import ToolCallStreamer, parse_tool_calls
 from deployments.protocol import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -157,6 +158,10 @@ class OpenAIIngress:
             "n": req.n > 1 and not caps.n,
             "seed": req.seed is not None and not caps.seed,
         }
+        tool_choice = getattr(req, "tool_choice", None)
+        if tool_choice not in (None, "none", "auto") and not caps.response_format:
+            raise NotSupportedError(f"tool_choice={tool_choice!r} (forcing a tool call) is not supported by the "
+                                    f"{caps.backend} backend; use 'auto' or 'none'", param="tool_choice")
         for feature, wanted in wants.items():
             if wanted and not getattr(caps, feature):
                 raise NotSupportedError(f"{feature} is not supported by the {caps.backend} backend", param=feature)
@@ -252,7 +257,7 @@ class OpenAIIngress:
         self._check_capabilities(entry, body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         prompt_ids = await asyncio.to_thread(
-            entry.renderer.render_chat, messages, tools=body.tools if body.tool_choice != "none" else None,
+            entry.renderer.render_chat, messages, tools=body.tools if body.tools_enabled else None,
             **(body.chat_template_kwargs or {}),
         )
         request_id = self._request_id(request, "chatcmpl")
@@ -263,17 +268,20 @@ class OpenAIIngress:
         if body.stream:
             first, stream = await self._start_stream(entry, gen_request, self._deadline())
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage)
+            chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
+                                       parse_tools=body.tools_enabled)
             return _sse_response(chunks)
         texts, finish, stop_reasons, usage = await self._generate_full(entry, gen_request, body.n)
         if self.settings.log_prompts:
             logger.info("%s completions=%r", request_id, texts)
+        choices = []
+        for i in range(body.n):
+            content, calls = parse_tool_calls(texts[i]) if body.tools_enabled else (texts[i], [])
+            choices.append(ChatCompletionChoice(
+                index=i, message=AssistantMessage(content=content, tool_calls=[c.to_openai() for c in calls] or None),
+                finish_reason="tool_calls" if calls else finish[i], stop_reason=stop_reasons[i]))
         return _json_response(ChatCompletionResponse(
-            id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
-            choices=[ChatCompletionChoice(index=i, message=AssistantMessage(content=texts[i]),
-                                          finish_reason=finish[i], stop_reason=stop_reasons[i])
-                     for i in range(body.n)],
-        ))
+            id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage), choices=choices))
 
     async def completions(self, body: CompletionRequest, request: Request):
         self._authorize(request)
@@ -310,7 +318,8 @@ class OpenAIIngress:
     # ---- SSE -----------------------------------------------------------------------------
 
     async def _chat_chunks(self, request_id: str, created: int, model: str, n: int, first: list[GenerationDelta],
-                           stream: AsyncIterator[GenerationDelta], include_usage: bool) -> AsyncIterator[str]:
+                           stream: AsyncIterator[GenerationDelta], include_usage: bool,
+                           parse_tools: bool = False) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionChunkChoice], usage: UsageInfo | None = None) -> str:
             c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
             return _sse(c.model_dump(exclude={"usage"} if not include_usage else set()))
@@ -318,11 +327,24 @@ class OpenAIIngress:
         yield chunk([ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(n)])
         usage = None
+        streamers = [ToolCallStreamer() for _ in range(n)] if parse_tools else None
         async for delta in _chain(first, stream):
-            if delta.text or delta.finish_reason:
+            text, finish, calls = delta.text, delta.finish_reason, []
+            if streamers is not None:
+                text = streamers[delta.index].feed(text)
+                if finish:
+                    rest, calls = streamers[delta.index].finish()
+                    text += rest
+            if calls:
+                if text:
+                    yield chunk([ChatCompletionChunkChoice(index=delta.index, delta=DeltaMessage(content=text))])
                 yield chunk([ChatCompletionChunkChoice(
-                    index=delta.index, delta=DeltaMessage(content=delta.text),
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                    index=delta.index, delta=DeltaMessage(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
+                    finish_reason="tool_calls", stop_reason=delta.stop_reason)])
+            elif text or finish:
+                yield chunk([ChatCompletionChunkChoice(
+                    index=delta.index, delta=DeltaMessage(content=text),
+                    finish_reason=finish, stop_reason=delta.stop_reason)])
             usage = delta.usage or usage
         if include_usage and usage is not None:
             yield chunk([], _usage_info(usage))
