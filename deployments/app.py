@@ -12,9 +12,10 @@ import copy
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.constants import INGRESS_DEPLOYMENT_DEFAULTS, MODEL_DEPLOYMENT_DEFAULTS
+from deployments.settings import IngressSettings
 from engines import engine_class
 from engines.config import ConfigError, EngineConfig, format_validation_error
 
@@ -39,12 +40,19 @@ class AppArgs(BaseModel):
 
     models: list[ModelEntry] = Field(..., min_length=1)
     api_keys: list[str] | None = Field(None, description="Accepted API keys; default: $API_KEY")
+    api_key_file: str | None = Field(None, description="File with one API key per line")
+    cors_allow_origins: list[str] | None = None
+    max_request_body_bytes: int | None = None
+    request_timeout_s: float | None = None
+    log_prompts: bool | None = None
     ingress_deployment: dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("api_keys", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
+    def ingress_settings(self) -> dict[str, Any]:
+        """The `IngressSettings` fields that are set here; the rest come from the environment
+        of the ingress replica."""
+        fields = ("api_keys", "api_key_file", "cors_allow_origins", "max_request_body_bytes",
+                  "request_timeout_s", "log_prompts")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -113,7 +121,7 @@ def build_app(args: dict[str, Any]):
     """
     from ray import serve
 
-    from deployments.ingress import OpenAIIngress, app
+    from deployments.ingress import OpenAIIngress
     from deployments.model_server import ModelServer
 
     app_args, configs = parse_args(args)
@@ -125,5 +133,10 @@ def build_app(args: dict[str, Any]):
         handles[model_id] = server.bind(model_id, engine_fields)
         model_configs[model_id] = engine_fields
     ingress_opts = deep_merge(INGRESS_DEPLOYMENT_DEFAULTS, app_args.ingress_deployment)
-    ingress = serve.deployment(serve.ingress(app)(OpenAIIngress), **ingress_opts)
-    return ingress.bind(model_configs, handles, app_args.api_keys)
+    # The FastAPI app is built on each ingress replica (OpenAIIngress.__serve_build_asgi_app__).
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress), **ingress_opts)
+    try:
+        IngressSettings.model_validate(app_args.ingress_settings())
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, "application args")) from None
+    return ingress.bind(model_configs, handles, app_args.ingress_settings())

@@ -1,20 +1,94 @@
 """`lmserve` command line.
 
-    lmserve serve [CONFIG]   run a Ray Serve config (default: serve_config.yaml), like `serve run`
-    lmserve download [NAME]  fetch and convert a model into the cache (default: smollm2)
-    lmserve check CONFIG     validate a serve config's models without starting anything
-    lmserve render-k8s       copy serve_config.yaml into k8s/rayservice.yaml's serveConfigV2
-                             (--check: only say whether they differ)
+    lmserve api CONFIG.yaml [key=value ...]   serve one model from a LLaMA-Factory inference YAML
+                                              on Ray Serve (like `llamafactory-cli api`)
+    lmserve chat CONFIG.yaml [key=value ...]  terminal chat with an in-process engine
+                                              (like `llamafactory-cli chat`)
+    lmserve serve [CONFIG]                    run a Ray Serve config (default serve_config.yaml)
+    lmserve download [NAME]                   fetch and convert a model into the cache
+    lmserve check [CONFIG]                    validate a serve config's models
+    lmserve render-k8s                        copy serve_config.yaml into k8s/rayservice.yaml's
+                                              serveConfigV2 (--check: only say if they differ)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 from pathlib import Path
 
 import yaml
+
+from engines.config import ConfigError, load_config_file
+
+
+def _api(args: argparse.Namespace) -> int:
+    """Serve one model like `llamafactory-cli api`: API_HOST (0.0.0.0), API_PORT (8000),
+    API_KEY and API_MODEL_NAME (gpt-3.5-turbo) from the environment, as LLaMA-Factory reads them."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = load_config_file(args.config, args.overrides)
+    model_id = os.environ.get("API_MODEL_NAME", "gpt-3.5-turbo")
+    host, port = os.environ.get("API_HOST", "0.0.0.0"), int(os.environ.get("API_PORT", "8000"))
+    entry = {"model_id": model_id, **config.model_dump(exclude={"extra_inert"}, exclude_unset=True)}
+    app = build_app({"models": [entry]})
+    ray.init()
+    serve.start(http_options={"host": host, "port": port})
+    print(f"lmserve: serving {config.model_name_or_path!r} as model {model_id!r} "
+          f"({config.infer_backend}) on http://{host}:{port}/v1", file=sys.stderr)
+    serve.run(app, name="lmserve", route_prefix="/", blocking=True)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """Terminal chat with an in-process engine, like `llamafactory-cli chat` (`clear`, `exit`)."""
+    return asyncio.run(_chat_loop(load_config_file(args.config, args.overrides)))
+
+
+async def _chat_loop(config) -> int:
+    import uuid
+
+    from engines import create_engine
+    from engines.base import GenerationRequest, SamplingParams
+    from engines.prompt import PromptRenderer
+
+    engine = create_engine(config)
+    await engine.start()
+    renderer = await asyncio.to_thread(
+        PromptRenderer.from_pretrained, engine.model_path, template=config.template,
+        default_system=config.default_system, enable_thinking=config.enable_thinking,
+        trust_remote_code=config.trust_remote_code)
+    messages: list[dict] = []
+    print("Welcome to the CLI application, use `clear` to remove the history, use `exit` to exit the application.")
+    try:
+        while True:
+            try:
+                query = await asyncio.to_thread(input, "\nUser: ")
+            except EOFError:
+                break
+            if query.strip() == "exit":
+                break
+            if query.strip() == "clear":
+                messages = []
+                print("History has been removed.")
+                continue
+            messages.append({"role": "user", "content": query})
+            print("Assistant: ", end="", flush=True)
+            ids = renderer.render_chat(messages)
+            response = []
+            async for delta in engine.generate(GenerationRequest(uuid.uuid4().hex, ids, SamplingParams())):
+                print(delta.text, end="", flush=True)
+                response.append(delta.text)
+            print()
+            messages.append({"role": "assistant", "content": "".join(response)})
+    finally:
+        await engine.shutdown()
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -72,6 +146,12 @@ def _render_k8s(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmserve", description="Serve LLMs on Ray Serve with an OpenAI-compatible API.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, func, text in (("api", _api, "serve one model from a LLaMA-Factory inference YAML (OpenAI API)"),
+                             ("chat", _chat, "chat in the terminal with an in-process engine")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("config", help="LLaMA-Factory inference YAML, e.g. model_name_or_path: smollm2")
+        p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
+        p.set_defaults(func=func)
     p = sub.add_parser("serve", help="run a Ray Serve config (default serve_config.yaml)")
     p.add_argument("config", nargs="?", default=os.environ.get("LMSERVE_CONFIG", "serve_config.yaml"))
     p.set_defaults(func=_serve)
@@ -87,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if they differ, change nothing")
     p.set_defaults(func=_render_k8s)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"lmserve: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

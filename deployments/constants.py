@@ -17,10 +17,10 @@ def _env_int(name: str, default: int) -> int:
 # autoscaler adds replicas above it. Always explicit: Ray Serve LLM's default (1e9) means that a
 # deployment never scales.
 TARGET_ONGOING_REQUESTS: dict[str, float] = {
-    # Requests interleave token by token on one worker thread, so a replica's tokens/s stays
-    # flat as requests are added: beyond a few, each stream only gets slower (~24 tok/s shared
-    # on 2 CPU cores).
-    "huggingface": _env_float("LMSERVE_HF_TARGET_ONGOING_REQUESTS", 4),
+    # Continuous batching: a replica's tokens/s grows with its batch while each stream slows
+    # down. Half of max_ongoing_requests (16): a replica is added well before requests queue
+    # in front of a full one (the policy's queue term covers bursts beyond that).
+    "huggingface": _env_float("LMSERVE_HF_TARGET_ONGOING_REQUESTS", 8),
 }
 
 # Autoscaling of every model deployment (Ray Serve `autoscaling_config`), unless its
@@ -71,4 +71,11 @@ INGRESS_DEPLOYMENT_DEFAULTS: dict = {
     "max_ongoing_requests": _env_int("LMSERVE_INGRESS_MAX_ONGOING_REQUESTS", 1000),
     # The ingress only parses, renders prompts and relays tokens: it reserves no CPU of its own.
     "ray_actor_options": {"num_cpus": _env_float("LMSERVE_INGRESS_NUM_CPUS", 0)},
+    # In-flight streams pass through the ingress too: on redeploy or scale-down it waits for
+    # them as long as the model servers do.
+    "graceful_shutdown_timeout_s": _env_float("LMSERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", 60),
 }
+
+# Deltas are grouped for this long before they cross from a replica to the ingress (the first
+# delta of a request goes at once). Ray Serve LLM uses 50 ms.
+STREAM_BATCHING_INTERVAL_S: float = _env_float("LMSERVE_STREAM_BATCHING_INTERVAL_MS", 50) / 1000

@@ -59,7 +59,7 @@ class OverloadedError(APIError):
 
     def __init__(self, message: str, retry_after_s: float = RETRY_AFTER_S, status_code: int | None = None):
         super().__init__(message, status_code=status_code)
-        self.retry_after_s = retry_after_s
+        self.retry_after = math.ceil(retry_after_s)  # whole seconds, for the Retry-After header
         if self.status_code == 429:
             self.error_type = "rate_limit_error"
 
@@ -77,6 +77,32 @@ class ModelNotFoundError(APIError):
     def __init__(self, model: str, available: list[str]):
         super().__init__(f"The model {model!r} does not exist. Available models: {', '.join(available)}",
                          param="model")
+
+
+class RequestTimeoutError(APIError):
+    """The request ran past its deadline (`request_timeout_s`) and was stopped."""
+
+    status_code = 504
+    error_type = "timeout"
+
+
+class ReplicaFailedError(APIError):
+    """The replica serving the request died; the client may retry."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    retry_after = 1
+
+
+def is_replica_failure(exc: BaseException) -> bool:
+    """True for errors that mean the replica (its process or actor) is gone, not that the
+    request was bad: safe to retry elsewhere if nothing was sent yet."""
+    from ray import exceptions as ray_exceptions
+
+    kinds = tuple(getattr(ray_exceptions, name) for name in (
+        "RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
+        "NodeDiedError", "OwnerDiedError") if hasattr(ray_exceptions, name))
+    return isinstance(exc, kinds)
 
 
 @dataclass
@@ -145,6 +171,9 @@ def to_error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
         info = ErrorInfo(message=str(exc.detail), type=kind)
     elif isinstance(exc, DeploymentUnavailableError):
         status, info = 503, ErrorInfo(message=exc.message, type="service_unavailable")
+    elif is_replica_failure(exc):
+        status, info = 503, ErrorInfo(message="the model replica serving this request failed; retry the request",
+                                      type="service_unavailable")
     elif isinstance(exc, NotImplementedError):
         status, info = 501, ErrorInfo(message=str(exc), type="not_implemented")
     else:
@@ -152,12 +181,3 @@ def to_error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
         status, info = 500, ErrorInfo(message=f"internal error: {type(exc).__name__}", type="internal_error")
     return status, ErrorResponse(error=info)
 
-
-def error_headers(exc: BaseException) -> dict[str, str]:
-    """Extra HTTP headers for an error response: `Retry-After` (whole seconds) on back-pressure,
-    from the deployment's `backpressure_config.retry_after_s`, else `LMSERVE_RETRY_AFTER_S`."""
-    if isinstance(exc, BackPressureError):
-        exc = OverloadedError.from_backpressure(exc)
-    if isinstance(exc, OverloadedError):
-        return {"retry-after": str(math.ceil(exc.retry_after_s))}
-    return {}

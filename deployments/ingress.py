@@ -4,8 +4,10 @@ Per request: parse and validate (deployments/protocol.py) -> check the API key -
 model ID to its deployment -> render the prompt once (engines/prompt.py) -> stream deltas from a
 `ModelServer` replica over a `DeploymentHandle` -> OpenAI JSON or SSE chunks. The ingress sees
 each request's whole life, so it records lmserve's Prometheus metrics (deployments/metrics.py).
-The class is plain; `deployments.app.build_app` wraps it with `serve.ingress(app)` and
-`serve.deployment`.
+The class is plain; `deployments.app.build_app` wraps it with `serve.ingress()` and
+`serve.deployment`. Its FastAPI app is built per replica by `create_app`, after the constructor
+(Ray Serve's `__serve_build_asgi_app__` hook), so HTTP settings (CORS, body size limit) come from
+the application's args.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from functools import partial
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,15 +31,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.exceptions import BackPressureError
 
 from deployments.errors import (
+    APIError,
     AuthenticationError,
     BadRequestError,
     GenerationError,
     ModelNotFoundError,
     OverloadedError,
-    error_headers,
+    RequestTimeoutError,
+    is_replica_failure,
     to_error_response,
 )
 from deployments.metrics import ingress_metrics
+from deployments.middleware import BodySizeLimitMiddleware
+from deployments.settings import IngressSettings
+from deployments.tool_calls import ToolCallStreamer, parse_tool_calls
 from deployments.protocol import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -61,25 +69,34 @@ from engines.prompt import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
 
-app = FastAPI(title="lmserve", description="OpenAI-compatible API for models served on Ray Serve")
-
 
 async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
     status, body = to_error_response(exc)
     # labelled by the model once the handler has resolved it (`_label_request`)
     ingress_metrics().count_error(status, *getattr(request.state, "metric_labels", ("", "")))
-    return JSONResponse(body.model_dump(), status_code=status, headers=error_headers(exc))
+    headers = {"retry-after": str(exc.retry_after)} if getattr(exc, "retry_after", None) else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-# Ray Serve installs its own plain-text handler for `BackPressureError` on this app after the
-# constructor, so `_start_stream` turns that one into an `OverloadedError` where it arises.
-for _exc_type in (RequestValidationError, StarletteHTTPException, Exception):
-    app.add_exception_handler(_exc_type, _error_handler)
-
-
-def _api_keys_from_env() -> list[str]:
-    """`API_KEY` (LLaMA-Factory's variable); several keys may be given comma-separated."""
-    return [k.strip() for k in os.environ.get("API_KEY", "").split(",") if k.strip()]
+def create_app(ingress: "OpenAIIngress") -> FastAPI:
+    """The FastAPI app of one ingress replica: routes bound to `ingress`, OpenAI-shaped errors,
+    a request body size limit (413) and CORS for the configured origins only."""
+    app = FastAPI(title="lmserve", description="OpenAI-compatible API for models served on Ray Serve")
+    # Ray Serve adds its own plain-text handler for `BackPressureError` to this app after it is
+    # built, so `_start_stream` turns that one into an `OverloadedError` where it arises.
+    for exc_type in (RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, _error_handler)
+    app.get("/health")(ingress.health)
+    app.get("/v1/models")(ingress.list_models)
+    app.get("/v1/models/{model_id:path}")(ingress.get_model)
+    app.post("/v1/chat/completions")(ingress.chat_completions)
+    app.post("/v1/completions")(ingress.completions)
+    settings = ingress.settings
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-request-id"])
+    return app
 
 
 class _ModelEntry:
@@ -97,15 +114,19 @@ class OpenAIIngress:
     Args:
         models: model ID -> engine config mapping (the `EngineConfig` fields).
         handles: model ID -> `DeploymentHandle` of that model's `ModelServer`.
-        api_keys: accepted API keys; `None` reads `API_KEY` from the environment; empty = open.
+        settings: HTTP settings (`IngressSettings` fields): API keys, CORS, limits, deadline.
     """
 
-    async def __init__(self, models: dict[str, dict], handles: dict[str, Any], api_keys: list[str] | None = None):
+    async def __init__(self, models: dict[str, dict], handles: dict[str, Any], settings: dict | None = None):
+        self.settings = IngressSettings.model_validate(settings or {})
         self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), handles[mid]) for mid, cfg in models.items()}
-        self.api_keys = [k.encode() for k in (api_keys if api_keys is not None else _api_keys_from_env())]
+        self.api_keys = [k.encode() for k in self.settings.resolve_api_keys()]
         self.metrics = ingress_metrics()
         self.metrics.add_models({mid: e.config.infer_backend for mid, e in self.models.items()})
         await asyncio.gather(*(self._load_renderer(entry) for entry in self.models.values()))
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self)
 
     @staticmethod
     async def _load_renderer(entry: _ModelEntry) -> None:
@@ -155,6 +176,10 @@ class OpenAIIngress:
             "n": req.n > 1 and not caps.n,
             "seed": req.seed is not None and not caps.seed,
         }
+        tool_choice = getattr(req, "tool_choice", None)
+        if tool_choice not in (None, "none", "auto") and not caps.response_format:
+            raise NotSupportedError(f"tool_choice={tool_choice!r} (forcing a tool call) is not supported by the "
+                                    f"{caps.backend} backend; use 'auto' or 'none'", param="tool_choice")
         for feature, wanted in wants.items():
             if wanted and not getattr(caps, feature):
                 raise NotSupportedError(f"{feature} is not supported by the {caps.backend} backend", param=feature)
@@ -164,58 +189,99 @@ class OpenAIIngress:
         # Ray Serve's proxy sets x-request-id (from the client's header when it sent one).
         return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
 
-    async def _stream(self, entry: _ModelEntry, gen_request: GenerationRequest, arrival: float) -> AsyncIterator[GenerationDelta]:
-        """Deltas from the model's replica; a `GenerationError` value is raised here. Every
-        delta passes here, so this is where the request's metrics are recorded."""
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self.settings.request_timeout_s
+
+    async def _stream(self, entry: _ModelEntry, gen_request: GenerationRequest,
+                      deadline: float, arrival: float) -> AsyncIterator[GenerationDelta]:
+        """Deltas from a replica of the model. A `GenerationError` value is raised here as
+        `_GenerationFailed`; past `deadline` (event-loop time) `RequestTimeoutError` is raised.
+        Leaving early (error, deadline, client gone) cancels the request on the replica.
+        Every delta passes here, so this is where the request's metrics are recorded (`arrival`:
+        `time.monotonic()` when the handler started)."""
+        loop = asyncio.get_running_loop()
         tracker = self.metrics.track(entry.model_id, entry.config.infer_backend, n=gen_request.sampling_params.n,
                                      prompt_tokens=len(gen_request.prompt_token_ids), arrival=arrival)
         outcome = "failed"
+        response = entry.handle.generate.remote(gen_request)
         try:
-            async for item in entry.handle.generate.remote(gen_request):
+            while True:
+                try:
+                    item = await asyncio.wait_for(response.__anext__(), max(0.0, deadline - loop.time()))
+                except StopAsyncIteration:
+                    outcome = "completed"
+                    return
+                except asyncio.TimeoutError:
+                    raise RequestTimeoutError(
+                        f"request {gen_request.request_id} did not finish within "
+                        f"{self.settings.request_timeout_s:g} s and was stopped") from None
                 if isinstance(item, GenerationError):
                     raise _GenerationFailed(item)
                 for delta in item:
                     tracker.on_delta(delta)
                     yield delta
-            outcome = "completed"
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "aborted"  # the client went away (or the stream was dropped) mid-way
             raise
         finally:
+            response.cancel()
             tracker.close(outcome)
 
-    async def _start_stream(self, entry: _ModelEntry, gen_request: GenerationRequest, arrival: float) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
+    async def _start_stream(self, entry: _ModelEntry, gen_request: GenerationRequest, deadline: float,
+                            arrival: float) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
         """Start generation and wait for its first delta, so errors found before any output
-        (context length, bad params) still get a proper status code instead of a 200 stream."""
-        stream = self._stream(entry, gen_request, arrival)
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            return [], stream
-        except BackPressureError as exc:  # the deployment's queue is full: 503 + Retry-After at once
-            raise OverloadedError.from_backpressure(exc) from None
-        except _GenerationFailed as exc:
-            raise exc.error_as_exception() from None
-        return [first], stream
+        (context length, bad params) still get a proper status code instead of a 200 stream.
+        A replica that dies before the first delta is retried once (nothing was sent yet)."""
+        for attempt in (1, 2):
+            stream = self._stream(entry, gen_request, deadline, arrival)
+            try:
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                return [], stream
+            except _GenerationFailed as exc:
+                raise exc.error_as_exception() from None
+            except BackPressureError as exc:  # the deployment's queue is full: 503 + Retry-After at once
+                raise OverloadedError.from_backpressure(exc) from None
+            except Exception as exc:
+                if attempt == 1 and is_replica_failure(exc):
+                    logger.warning("request %s: replica failed before any output (%s); retrying once",
+                                   gen_request.request_id, type(exc).__name__)
+                    continue
+                raise
+            return [first], stream
+        raise AssertionError("unreachable")
+
+    async def _generate_full(self, entry: _ModelEntry, gen_request: GenerationRequest, n: int, arrival: float):
+        """Non-streamed generation: (texts, finish reasons, stop reasons, usage) per choice.
+        Nothing reaches the client before the end, so a replica failure is retried once."""
+        deadline = self._deadline()
+        for attempt in (1, 2):
+            try:
+                first, stream = await self._start_stream(entry, gen_request, deadline, arrival)
+                return await _collect(n, first, stream)
+            except Exception as exc:
+                if attempt == 1 and is_replica_failure(exc):
+                    logger.warning("request %s: replica failed mid-generation (%s); retrying once",
+                                   gen_request.request_id, type(exc).__name__)
+                    continue
+                raise
+        raise AssertionError("unreachable")
 
     # ---- routes --------------------------------------------------------------------------
 
-    @app.get("/health")
     async def health(self) -> dict[str, str]:
+        """Liveness of the ingress; needs no API key."""
         return {"status": "ok"}
 
-    @app.get("/v1/models")
     async def list_models(self, request: Request) -> ModelList:
         self._authorize(request)
         return ModelList(data=[ModelCard(id=mid, root=e.config.model_name_or_path) for mid, e in self.models.items()])
 
-    @app.get("/v1/models/{model_id:path}")
     async def get_model(self, model_id: str, request: Request) -> ModelCard:
         self._authorize(request)
         entry = self._resolve_model(model_id)
         return ModelCard(id=entry.model_id, root=entry.config.model_name_or_path)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = time.monotonic()
         self._authorize(request)
@@ -224,27 +290,33 @@ class OpenAIIngress:
         self._check_capabilities(entry, body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         prompt_ids = await asyncio.to_thread(
-            entry.renderer.render_chat, messages, tools=body.tools if body.tool_choice != "none" else None,
+            entry.renderer.render_chat, messages, tools=body.tools if body.tools_enabled else None,
             **(body.chat_template_kwargs or {}),
         )
         request_id = self._request_id(request, "chatcmpl")
+        if self.settings.log_prompts:
+            logger.info("%s messages=%r", request_id, messages)
         gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
-        first, stream = await self._start_stream(entry, gen_request, arrival)
         created = int(time.time())
         if body.stream:
+            first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage)
-            return _sse_response(chunks, request_id, partial(self.metrics.count_error, model_id=entry.model_id,
-                                                             backend=entry.config.infer_backend))
-        texts, finish, stop_reasons, usage = await _collect(body.n, first, stream)
+            chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
+                                       parse_tools=body.tools_enabled)
+            return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
+                                                 backend=entry.config.infer_backend))
+        texts, finish, stop_reasons, usage = await self._generate_full(entry, gen_request, body.n, arrival)
+        if self.settings.log_prompts:
+            logger.info("%s completions=%r", request_id, texts)
+        choices = []
+        for i in range(body.n):
+            content, calls = parse_tool_calls(texts[i]) if body.tools_enabled else (texts[i], [])
+            choices.append(ChatCompletionChoice(
+                index=i, message=AssistantMessage(content=content, tool_calls=[c.to_openai() for c in calls] or None),
+                finish_reason="tool_calls" if calls else finish[i], stop_reason=stop_reasons[i]))
         return _json_response(ChatCompletionResponse(
-            id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
-            choices=[ChatCompletionChoice(index=i, message=AssistantMessage(content=texts[i]),
-                                          finish_reason=finish[i], stop_reason=stop_reasons[i])
-                     for i in range(body.n)],
-        ), request_id)
+            id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage), choices=choices))
 
-    @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         arrival = time.monotonic()
         self._authorize(request)
@@ -263,25 +335,28 @@ class OpenAIIngress:
             prompt = prompt[0]
         prompt_ids = await asyncio.to_thread(entry.renderer.render_completion, prompt)
         request_id = self._request_id(request, "cmpl")
+        if self.settings.log_prompts:
+            logger.info("%s prompt=%r", request_id, prompt)
         gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
-        first, stream = await self._start_stream(entry, gen_request, arrival)
         created = int(time.time())
         if body.stream:
+            first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
-            return _sse_response(chunks, request_id, partial(self.metrics.count_error, model_id=entry.model_id,
-                                                             backend=entry.config.infer_backend))
-        texts, finish, stop_reasons, usage = await _collect(body.n, first, stream)
+            return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
+                                                 backend=entry.config.infer_backend))
+        texts, finish, stop_reasons, usage = await self._generate_full(entry, gen_request, body.n, arrival)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
             choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i])
                      for i in range(body.n)],
-        ), request_id)
+        ))
 
     # ---- SSE -----------------------------------------------------------------------------
 
     async def _chat_chunks(self, request_id: str, created: int, model: str, n: int, first: list[GenerationDelta],
-                           stream: AsyncIterator[GenerationDelta], include_usage: bool) -> AsyncIterator[str]:
+                           stream: AsyncIterator[GenerationDelta], include_usage: bool,
+                           parse_tools: bool = False) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionChunkChoice], usage: UsageInfo | None = None) -> str:
             c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
             return _sse(c.model_dump(exclude={"usage"} if not include_usage else set()))
@@ -289,11 +364,24 @@ class OpenAIIngress:
         yield chunk([ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(n)])
         usage = None
+        streamers = [ToolCallStreamer() for _ in range(n)] if parse_tools else None
         async for delta in _chain(first, stream):
-            if delta.text or delta.finish_reason:
+            text, finish, calls = delta.text, delta.finish_reason, []
+            if streamers is not None:
+                text = streamers[delta.index].feed(text)
+                if finish:
+                    rest, calls = streamers[delta.index].finish()
+                    text += rest
+            if calls:
+                if text:
+                    yield chunk([ChatCompletionChunkChoice(index=delta.index, delta=DeltaMessage(content=text))])
                 yield chunk([ChatCompletionChunkChoice(
-                    index=delta.index, delta=DeltaMessage(content=delta.text),
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                    index=delta.index, delta=DeltaMessage(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
+                    finish_reason="tool_calls", stop_reason=delta.stop_reason)])
+            elif text or finish:
+                yield chunk([ChatCompletionChunkChoice(
+                    index=delta.index, delta=DeltaMessage(content=text),
+                    finish_reason=finish, stop_reason=delta.stop_reason)])
             usage = delta.usage or usage
         if include_usage and usage is not None:
             yield chunk([], _usage_info(usage))
@@ -317,9 +405,7 @@ class _GenerationFailed(Exception):
         super().__init__(error.message)
         self.error = error
 
-    def error_as_exception(self) -> BadRequestError:
-        from deployments.errors import APIError
-
+    def error_as_exception(self) -> APIError:
         err = APIError(self.error.message, param=self.error.param, status_code=self.error.status_code)
         err.error_type = self.error.error_type
         return err
@@ -359,7 +445,7 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _sse_response(chunks: AsyncIterator[str], request_id: str, count_error: Callable[[int], None]) -> StreamingResponse:
+def _sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for text in chunks:
@@ -375,8 +461,9 @@ def _sse_response(chunks: AsyncIterator[str], request_id: str, count_error: Call
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"x-request-id": request_id, "cache-control": "no-cache"})
+                             headers={"cache-control": "no-cache"})
 
 
-def _json_response(model: Any, request_id: str) -> JSONResponse:
-    return JSONResponse(model.model_dump(), headers={"x-request-id": request_id})
+def _json_response(model: Any) -> JSONResponse:
+    # Ray Serve's proxy returns the request's ID in the `x-request-id` response header.
+    return JSONResponse(model.model_dump())

@@ -169,6 +169,17 @@ class ChatCompletionRequest(SamplingFields):
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def tools_enabled(self) -> bool:
+        """Tools are rendered into the prompt and parsed out of the output."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> "ChatCompletionRequest":
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        return self
+
 
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions` (legacy text completions)."""
@@ -213,6 +224,7 @@ class ModelList(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -235,6 +247,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionChunkChoice(BaseModel):

@@ -195,3 +195,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def model_info(self) -> ModelInfo:
         """Facts about the loaded model; valid after `start`."""
+
+    @property
+    def num_running(self) -> int:
+        """Requests being generated now (backends override)."""
+        return 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted but waiting for room in the engine (backends override)."""
+        return 0

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 
 TEST_API_KEY = "lmserve-test-key"
+ALLOWED_ORIGIN = "http://allowed.example"
+MAX_BODY_BYTES = 256 * 1024
+REQUEST_TIMEOUT_S = 15.0
 
 
 async def collect(engine, request) -> list:
@@ -100,6 +103,9 @@ def serve_url(model_dir, metrics_port):
                     "deployment": {"ray_actor_options": {"num_cpus": 1},
                                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}}],
         "api_keys": [TEST_API_KEY],
+        "cors_allow_origins": [ALLOWED_ORIGIN],
+        "max_request_body_bytes": MAX_BODY_BYTES,
+        "request_timeout_s": REQUEST_TIMEOUT_S,
     })
     serve.run(app, name="lmserve", route_prefix="/")
     yield f"http://127.0.0.1:{port}"

@@ -14,7 +14,7 @@ from conftest import TEST_API_KEY
 from deployments.app import build_app, model_deployment_options
 from deployments.autoscaling import queue_aware_policy
 from deployments.constants import MODEL_DEPLOYMENT_DEFAULTS, TARGET_ONGOING_REQUESTS
-from deployments.errors import error_headers, to_error_response
+from deployments.errors import OverloadedError, to_error_response
 from engines import BUILT_BACKENDS
 from engines.config import ConfigError, EngineConfig
 
@@ -89,10 +89,10 @@ def test_backpressure_maps_to_openai_503_with_retry_after():
     status, body = to_error_response(exc)
     assert status == 503
     assert body.error.type == "service_unavailable" and body.error.code == "overloaded"
-    assert error_headers(exc) == {"retry-after": "1"}
+    assert OverloadedError.from_backpressure(exc).retry_after == 1  # the Retry-After header
     exc = BackPressureError(num_queued_requests=4, max_queued_requests=4, status_code=429, retry_after_s=2.5)
     assert to_error_response(exc)[0] == 429
-    assert error_headers(exc) == {"retry-after": "3"}
+    assert OverloadedError.from_backpressure(exc).retry_after == 3
 
 
 # ---- on a real local Ray cluster (slow) --------------------------------------------------

@@ -114,3 +114,35 @@ def test_api_key_required(serve_url):
 
 def test_server_still_healthy_after_errors(client):
     test_chat_answers_paris(client)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_are_accepted_and_plain_answers_stay_content(client):
+    resp = client.chat.completions.create(model="smollm2", messages=QUESTION, tools=[WEATHER_TOOL], temperature=0,
+                                          max_tokens=24)
+    choice = resp.choices[0]
+    assert "Paris" in choice.message.content and choice.message.tool_calls is None
+    assert choice.finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="smollm2", messages=QUESTION, tools=[WEATHER_TOOL],
+                                                 temperature=0, max_tokens=24, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+
+
+def test_tool_history_is_rendered(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"}]
+    resp = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER_TOOL], max_tokens=8)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_forced_tool_choice_is_refused_by_name(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2", messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required")
+    assert info.value.body["param"] == "tool_choice" and "huggingface" in info.value.body["message"]
