@@ -90,11 +90,55 @@ async def _chat_loop(config) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    # Ray Serve's own CLI does the work (local cluster, deploy, logs, Ctrl-C shutdown).
-    from ray.serve.scripts import cli as serve_cli
+    """`serve run CONFIG` with a graceful drain: on SIGTERM or Ctrl-C the applications are
+    deleted first, which lets every replica finish its in-flight requests (up to its
+    `graceful_shutdown_timeout_s`) while new requests are refused, and only then is Serve shut
+    down. A second signal stops at once. (Ray's own `serve run` shuts down at once and cuts
+    open streams.)"""
+    import signal
+    import time
 
-    sys.argv = ["serve", "run", str(args.config)]
-    return serve_cli.main(standalone_mode=True) or 0
+    import ray
+    from ray import serve
+    from ray.serve._private import api as serve_private_api  # what `serve run` itself uses
+    from ray.serve.config import ProxyLocation, gRPCOptions
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(Path(args.config).read_text()))
+    ray.init(namespace="serve")
+    client = serve_private_api.serve_start(
+        http_options=config.http_options.model_dump(),
+        proxy_location=config.proxy_location or ProxyLocation.EveryNode,
+        grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
+        controller_options=config.controller_options,
+    )
+    client.deploy_apps(config, _blocking=False)
+    print(f"lmserve: deployed {args.config}; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
+
+    stop = {"signals": 0}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop["signals"] += 1
+        if stop["signals"] > 1:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        while not stop["signals"]:
+            time.sleep(0.5)
+        print("lmserve: draining in-flight requests...", file=sys.stderr)
+        for app in config.applications:
+            serve.delete(app.name, _blocking=False)
+        # Each replica waits for its own requests up to its graceful_shutdown_timeout_s.
+        deadline = time.monotonic() + float(os.environ.get("LMSERVE_DRAIN_TIMEOUT_S", 300))
+        while serve.status().applications and time.monotonic() < deadline:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("lmserve: second signal, stopping now", file=sys.stderr)
+    finally:
+        serve.shutdown()
+    return 0
 
 
 def _download(args: argparse.Namespace) -> int:
