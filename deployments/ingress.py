@@ -12,6 +12,7 @@ the application's args.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
@@ -89,6 +90,21 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
 
 
 class _ModelEntry:
+    """A public model ID: a base model, or one of its LoRA adapters (`lora_name` set) served by
+    the base model's replicas."""
+
+    lora_name: str | None = None
+    parent: str | None = None
+
+    def for_adapter(self, name: str) -> "_ModelEntry":
+        adapter = copy.copy(self)
+        adapter.model_id, adapter.lora_name, adapter.parent = f"{self.model_id}:{name}", name, self.model_id
+        return adapter
+
+    @property
+    def root(self) -> str:
+        return self.config.lora_adapters[self.lora_name] if self.lora_name else self.config.model_name_or_path
+
     def __init__(self, model_id: str, config: EngineConfig, handle: Any):
         self.model_id = model_id
         self.config = config
@@ -111,6 +127,11 @@ class OpenAIIngress:
         self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), handles[mid]) for mid, cfg in models.items()}
         self.api_keys = [k.encode() for k in self.settings.resolve_api_keys()]
         await asyncio.gather(*(self._load_renderer(entry) for entry in self.models.values()))
+        self.base_model_ids = list(self.models)
+        for entry in list(self.models.values()):
+            for name in entry.config.lora_adapters:
+                adapter = entry.for_adapter(name)
+                self.models[adapter.model_id] = adapter
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self)
@@ -141,8 +162,8 @@ class OpenAIIngress:
 
     def _resolve_model(self, model: str | None) -> _ModelEntry:
         if model is None:
-            if len(self.models) == 1:
-                return next(iter(self.models.values()))
+            if len(self.base_model_ids) == 1:
+                return self.models[self.base_model_ids[0]]
             raise BadRequestError("`model` is required when several models are served", param="model")
         entry = self.models.get(model)
         if entry is None:
@@ -244,12 +265,12 @@ class OpenAIIngress:
 
     async def list_models(self, request: Request) -> ModelList:
         self._authorize(request)
-        return ModelList(data=[ModelCard(id=mid, root=e.config.model_name_or_path) for mid, e in self.models.items()])
+        return ModelList(data=[ModelCard(id=mid, root=e.root, parent=e.parent) for mid, e in self.models.items()])
 
     async def get_model(self, model_id: str, request: Request) -> ModelCard:
         self._authorize(request)
         entry = self._resolve_model(model_id)
-        return ModelCard(id=entry.model_id, root=entry.config.model_name_or_path)
+        return ModelCard(id=entry.model_id, root=entry.root, parent=entry.parent)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._authorize(request)
@@ -263,7 +284,7 @@ class OpenAIIngress:
         request_id = self._request_id(request, "chatcmpl")
         if self.settings.log_prompts:
             logger.info("%s messages=%r", request_id, messages)
-        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
+        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name)
         created = int(time.time())
         if body.stream:
             first, stream = await self._start_stream(entry, gen_request, self._deadline())
@@ -301,7 +322,7 @@ class OpenAIIngress:
         request_id = self._request_id(request, "cmpl")
         if self.settings.log_prompts:
             logger.info("%s prompt=%r", request_id, prompt)
-        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
+        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name)
         created = int(time.time())
         if body.stream:
             first, stream = await self._start_stream(entry, gen_request, self._deadline())

@@ -51,6 +51,7 @@ class BatchRequest:
     eos_ids: set[int]
     generator: torch.Generator
     emit: Callable[[list[TokenEvent] | BaseException], None]
+    lora_name: str | None = None
     cancelled: bool = False
     finished_choices: set[int] = field(default_factory=set)
 
@@ -87,6 +88,8 @@ class ContinuousBatcher:
                  use_kv_cache: bool = True):
         self.model = model
         self.device = model.device
+        # A peft model takes one adapter name per row ("__base__" = no adapter).
+        self._mixed_adapters = hasattr(model, "peft_config")
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.use_kv_cache = use_kv_cache
@@ -223,7 +226,8 @@ class ContinuousBatcher:
             ids[i, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
             mask[i, width - len(request.prompt_ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=self.use_kv_cache)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=self.use_kv_cache,
+                         **self._adapter_kwargs(admitted))
         repeat = torch.tensor([r.params.n for r in admitted], device=self.device)
         row_of = torch.repeat_interleave(torch.arange(len(admitted), device=self.device), repeat)
         logits = out.logits[:, -1, :].float().index_select(0, row_of)
@@ -270,7 +274,8 @@ class ContinuousBatcher:
             mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
             positions = (mask.sum(-1, keepdim=True) - 1)
             out = self.model(input_ids=self._next_tokens[:, None], attention_mask=mask, position_ids=positions,
-                             past_key_values=self._cache, use_cache=True)
+                             past_key_values=self._cache, use_cache=True,
+                             **self._adapter_kwargs([r.request for r in self._rows]))
             self._cache, self._mask = out.past_key_values, mask
             logits = out.logits[:, -1, :].float()
         else:
@@ -283,7 +288,12 @@ class ContinuousBatcher:
 
     def _full_forward(self, row: _Row) -> torch.Tensor:
         ids = torch.tensor([row.request.prompt_ids + row.generated], device=self.device)
-        return self.model(input_ids=ids, use_cache=False).logits[:, -1, :].float()
+        return self.model(input_ids=ids, use_cache=False, **self._adapter_kwargs([row.request])).logits[:, -1, :].float()
+
+    def _adapter_kwargs(self, requests: list[BatchRequest]) -> dict:
+        if not self._mixed_adapters:
+            return {}
+        return {"adapter_names": [r.lora_name or "__base__" for r in requests]}
 
     def _record(self, row: _Row, token: int, events: dict) -> None:
         if row.done:

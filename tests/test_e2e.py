@@ -13,8 +13,21 @@ pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_models_lists_the_configured_model(client):
-    assert [m.id for m in client.models.list().data] == ["smollm2"]
+def test_models_lists_the_configured_model_and_its_adapter(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2", "smollm2:sft-lora"]
+    assert client.models.retrieve("smollm2:sft-lora").parent == "smollm2"
+
+
+def test_lora_adapter_is_its_own_model_id(client):
+    def greedy(model):
+        resp = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
+        return resp.choices[0].message.content, resp.model
+
+    base, base_id = greedy("smollm2")
+    tuned, tuned_id = greedy("smollm2:sft-lora")
+    assert "Paris" in base and base_id == "smollm2"
+    assert tuned != base and tuned_id == "smollm2:sft-lora"
+    assert greedy("smollm2") == (base, base_id)  # the base model is unchanged by the adapter
 
 
 def test_chat_answers_paris(client):
