@@ -57,7 +57,7 @@ from deployments.protocol import (
     UsageInfo,
 )
 from engines import engine_capabilities
-from engines.base import Capabilities, GenerationDelta, GenerationRequest, NotSupportedError, Usage
+from engines.base import Capabilities, GenerationDelta, GenerationRequest, NotSupportedError, TokenLogprob, Usage
 from engines.config import EngineConfig
 from engines.model_source import resolve_model_path
 from engines.prompt import PromptRenderer
@@ -292,7 +292,7 @@ class OpenAIIngress:
             chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
                                        parse_tools=body.tools_enabled)
             return _sse_response(chunks)
-        texts, finish, stop_reasons, usage = await self._generate_full(entry, gen_request, body.n)
+        texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n)
         if self.settings.log_prompts:
             logger.info("%s completions=%r", request_id, texts)
         choices = []
@@ -300,6 +300,7 @@ class OpenAIIngress:
             content, calls = parse_tool_calls(texts[i]) if body.tools_enabled else (texts[i], [])
             choices.append(ChatCompletionChoice(
                 index=i, message=AssistantMessage(content=content, tool_calls=[c.to_openai() for c in calls] or None),
+                logprobs=chat_logprobs(logprobs[i]),
                 finish_reason="tool_calls" if calls else finish[i], stop_reason=stop_reasons[i]))
         return _json_response(ChatCompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage), choices=choices))
@@ -329,10 +330,11 @@ class OpenAIIngress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
             return _sse_response(chunks)
-        texts, finish, stop_reasons, usage = await self._generate_full(entry, gen_request, body.n)
+        texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
-            choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i])
+            choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i],
+                                      logprobs=completion_logprobs(logprobs[i]))
                      for i in range(body.n)],
         ))
 
@@ -362,9 +364,9 @@ class OpenAIIngress:
                 yield chunk([ChatCompletionChunkChoice(
                     index=delta.index, delta=DeltaMessage(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
                     finish_reason="tool_calls", stop_reason=delta.stop_reason)])
-            elif text or finish:
+            elif text or finish or delta.logprobs:
                 yield chunk([ChatCompletionChunkChoice(
-                    index=delta.index, delta=DeltaMessage(content=text),
+                    index=delta.index, delta=DeltaMessage(content=text), logprobs=chat_logprobs(delta.logprobs),
                     finish_reason=finish, stop_reason=delta.stop_reason)])
             usage = delta.usage or usage
         if include_usage and usage is not None:
@@ -373,10 +375,14 @@ class OpenAIIngress:
     async def _completion_chunks(self, request_id: str, created: int, model: str, first: list[GenerationDelta],
                                  stream: AsyncIterator[GenerationDelta], include_usage: bool) -> AsyncIterator[str]:
         usage = None
+        offsets: dict[int, int] = {}
         async for delta in _chain(first, stream):
-            if delta.text or delta.finish_reason:
+            if delta.text or delta.finish_reason or delta.logprobs:
+                logprobs = completion_logprobs(delta.logprobs, offsets.get(delta.index, 0))
+                offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
                 c = CompletionResponse(id=request_id, created=created, model=model, choices=[CompletionChoice(
-                    index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                    index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                    logprobs=logprobs)])
                 yield _sse(c.model_dump(exclude={"usage"} if not include_usage else set()))
             usage = delta.usage or usage
         if include_usage and usage is not None:
@@ -403,19 +409,48 @@ async def _chain(first: list[GenerationDelta], stream: AsyncIterator[GenerationD
 
 
 async def _collect(n: int, first: list[GenerationDelta], stream: AsyncIterator[GenerationDelta]):
+    """All deltas of a non-streamed request: per choice its text, finish reason, stop reason
+    and token logprobs (None when not asked for), plus the usage."""
     texts = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     stop_reasons: list[str | int | None] = [None] * n
+    logprobs: list[list[TokenLogprob] | None] = [None] * n
     usage: Usage | None = None
     try:
         async for delta in _chain(first, stream):
             texts[delta.index].append(delta.text)
+            if delta.logprobs:
+                logprobs[delta.index] = (logprobs[delta.index] or []) + delta.logprobs
             if delta.finish_reason:
                 finish[delta.index], stop_reasons[delta.index] = delta.finish_reason, delta.stop_reason
             usage = delta.usage or usage
     except _GenerationFailed as exc:
         raise exc.error_as_exception() from None
-    return ["".join(t) for t in texts], finish, stop_reasons, usage
+    return ["".join(t) for t in texts], finish, stop_reasons, usage, logprobs
+
+
+def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
+    """OpenAI chat `logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`."""
+    if tokens is None:
+        return None
+
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**item(t.token, t.logprob), "top_logprobs": [item(a, lp) for a, lp in t.top_logprobs]}
+                        for t in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+    """OpenAI completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    if tokens is None:
+        return None
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t.token)
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [dict(t.top_logprobs) for t in tokens], "text_offset": offsets}
 
 
 def _usage_info(usage: Usage | None) -> UsageInfo:

@@ -32,8 +32,10 @@ from engines.base import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# (choice index, token id or None, finish reason or None, stop reason or None)
-TokenEvent = tuple[int, "int | None", "str | None", "str | int | None"]
+# (choice index, token id, finish reason or None, stop reason or None, logprobs or None) where
+# logprobs = (log-probability of the token, [(token id, log-probability), ...] top alternatives)
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+TokenEvent = tuple[int, int, "str | None", "str | int | None", "TokenLogprobs | None"]
 
 
 @dataclass(eq=False)
@@ -238,13 +240,14 @@ class ContinuousBatcher:
             if len(new_rows) != len(admitted):
                 new_cache.batch_select_indices(row_of)
         tokens = self._sample(new_rows, logits)
+        logprobs = self._logprobs(new_rows, logits, tokens)
         old_rows = [r for r in self._rows if r.generated]
         # Decode the running rows now too, so a stream of arrivals cannot starve them.
         if old_rows and self.use_kv_cache:
             self._decode(events)
         self._merge(new_rows, new_cache, mask.index_select(0, row_of), tokens)
-        for row, token in zip(new_rows, tokens.tolist()):
-            self._record(row, token, events)
+        for row, token, lp in zip(new_rows, tokens.tolist(), logprobs):
+            self._record(row, token, events, lp)
 
     def _merge(self, rows: list[_Row], cache: Any, mask: torch.Tensor, tokens: torch.Tensor) -> None:
         if not self._rows:
@@ -282,9 +285,10 @@ class ContinuousBatcher:
             logits = torch.cat([self._full_forward(r) for r in self._rows])
             self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
         tokens = self._sample(self._rows, logits)
+        logprobs = self._logprobs(self._rows, logits, tokens)
         self._next_tokens = tokens
-        for row, token in zip(self._rows, tokens.tolist()):
-            self._record(row, token, events)
+        for row, token, lp in zip(self._rows, tokens.tolist(), logprobs):
+            self._record(row, token, events, lp)
 
     def _full_forward(self, row: _Row) -> torch.Tensor:
         ids = torch.tensor([row.request.prompt_ids + row.generated], device=self.device)
@@ -295,7 +299,27 @@ class ContinuousBatcher:
             return {}
         return {"adapter_names": [r.lora_name or "__base__" for r in requests]}
 
-    def _record(self, row: _Row, token: int, events: dict) -> None:
+    @staticmethod
+    def _logprobs(rows: list[_Row], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+        """Log-probabilities of the chosen tokens and the top alternatives, from the model's
+        raw distribution (before penalties and sampling warpers, as vLLM reports by default),
+        for the rows whose request asked for them."""
+        wanted = [r.request.params.logprobs is not None for r in rows]
+        if not any(wanted):
+            return [None] * len(rows)
+        logp = torch.log_softmax(logits, dim=-1)
+        out: list[TokenLogprobs | None] = []
+        for i, (row, want) in enumerate(zip(rows, wanted)):
+            if not want:
+                out.append(None)
+                continue
+            k = row.request.params.logprobs
+            top = torch.topk(logp[i], k) if k else None
+            alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            out.append((float(logp[i, tokens[i]]), alternatives))
+        return out
+
+    def _record(self, row: _Row, token: int, events: dict, logprobs: TokenLogprobs | None = None) -> None:
         if row.done:
             return
         request = row.request
@@ -308,7 +332,7 @@ class ContinuousBatcher:
         elif len(row.generated) >= request.max_tokens:
             finish = "length"
         row.finished = finish is not None
-        events.setdefault(id(request), (request, []))[1].append((row.index, token, finish, stop_reason))
+        events.setdefault(id(request), (request, []))[1].append((row.index, token, finish, stop_reason, logprobs))
 
     # ---- sampling -------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from engines.base import (
     ModelInfo,
     ModelLoadError,
     SamplingParams,
+    TokenLogprob,
     Usage,
 )
 from engines.config import EngineConfig
@@ -72,6 +73,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0
     reported_tokens: int = 0
+    pending_logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -93,7 +95,7 @@ class HuggingFaceEngine(Engine):
         config: the model's `EngineConfig` (`infer_backend: huggingface`).
     """
 
-    capabilities = Capabilities(backend="huggingface", logprobs=False, lora=True, response_format=False)
+    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -208,8 +210,10 @@ class HuggingFaceEngine(Engine):
                 if isinstance(items, BaseException):
                     raise EngineUnavailableError(f"huggingface engine failed: {type(items).__name__}: {items}")
                 deltas = []
-                for index, token, finish, stop_reason in items:
+                for index, token, finish, stop_reason, logprobs in items:
                     choice = state.choices[index]
+                    if logprobs is not None:
+                        choice.pending_logprobs.append(self._token_logprob(token, logprobs))
                     delta = self._advance(state, choice, token, finish, stop_reason)
                     if choice.finish_reason and not finish:  # a stop string ended it here
                         self._batcher.finish_choice(batch_request, index)
@@ -307,8 +311,15 @@ class HuggingFaceEngine(Engine):
         num_tokens = len(choice.token_ids) - choice.reported_tokens
         choice.reported_tokens = len(choice.token_ids)
         choice.emitted_chars = max(choice.emitted_chars, emitted_to)
-        return GenerationDelta(index=choice.index, text=text, num_tokens=num_tokens,
+        logprobs, choice.pending_logprobs = choice.pending_logprobs or None, []
+        return GenerationDelta(index=choice.index, text=text, num_tokens=num_tokens, logprobs=logprobs,
                                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+
+    def _token_logprob(self, token: int, logprobs: tuple) -> TokenLogprob:
+        logprob, top = logprobs
+        decode = self._tokenizer.decode
+        return TokenLogprob(token_id=token, token=decode([token]), logprob=logprob,
+                            top_logprobs=[(decode([t]), lp) for t, lp in top])
 
     def _decode_text(self, token_ids: list[int], params: SamplingParams) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
