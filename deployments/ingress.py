@@ -19,12 +19,13 @@ import logging
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.errors import (
@@ -64,6 +65,8 @@ from engines.prompt import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
 
+_WEBCHAT_HTML = (Path(__file__).parent / "webchat.html").read_text()
+
 async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
     status, body = to_error_response(exc)
     headers = {"retry-after": str(exc.retry_after)} if getattr(exc, "retry_after", None) else None
@@ -76,6 +79,7 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     app = FastAPI(title="lmserve", description="OpenAI-compatible API for models served on Ray Serve")
     for exc_type in (RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _error_handler)
+    app.get("/", response_class=HTMLResponse, include_in_schema=False)(ingress.webchat)
     app.get("/health")(ingress.health)
     app.get("/v1/models")(ingress.list_models)
     app.get("/v1/models/{model_id:path}")(ingress.get_model)
@@ -258,6 +262,11 @@ class OpenAIIngress:
         raise AssertionError("unreachable")
 
     # ---- routes --------------------------------------------------------------------------
+
+    async def webchat(self) -> HTMLResponse:
+        """A small web chat (model picker, streaming, system prompt, sampling settings); the
+        page itself needs no API key, its API calls send the one typed into it."""
+        return HTMLResponse(_WEBCHAT_HTML)
 
     async def health(self) -> dict[str, str]:
         """Liveness of the ingress; needs no API key."""
