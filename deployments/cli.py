@@ -4,6 +4,7 @@
                                               on Ray Serve (like `llamafactory-cli api`)
     lmserve chat CONFIG.yaml [key=value ...]  terminal chat with an in-process engine
                                               (like `llamafactory-cli chat`)
+    lmserve batch CONFIG.yaml --dataset FILE  offline generation on Ray Data (like vllm_infer.py)
     lmserve serve [CONFIG]                    run a Ray Serve config (default serve_config.yaml)
     lmserve download [NAME]                   fetch and convert a model into the cache
     lmserve check [CONFIG]                    validate a serve config's models
@@ -86,6 +87,21 @@ async def _chat_loop(config) -> int:
             messages.append({"role": "assistant", "content": "".join(response)})
     finally:
         await engine.shutdown()
+    return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    """Offline generation over a dataset on Ray Data (like LLaMA-Factory's vllm_infer.py)."""
+    from deployments.batch import DatasetError, run_batch
+
+    config = load_config_file(args.config, args.overrides)
+    try:
+        run_batch(config, args.dataset, args.output, resume=args.resume, overwrite=args.overwrite,
+                  num_workers=args.num_workers, batch_size=args.batch_size,
+                  num_cpus_per_worker=args.num_cpus, num_gpus_per_worker=args.num_gpus)
+    except (DatasetError, FileExistsError) as exc:
+        print(f"lmserve batch: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -173,6 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("config", help="LLaMA-Factory inference YAML, e.g. model_name_or_path: smollm2")
         p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
         p.set_defaults(func=func)
+    p = sub.add_parser("batch", help="generate predictions for a dataset on Ray Data (alpaca/sharegpt JSON/JSONL)")
+    p.add_argument("config", help="LLaMA-Factory inference YAML")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
+    p.add_argument("--dataset", required=True, help="alpaca or sharegpt JSON/JSONL file")
+    p.add_argument("--output", default="generated_predictions.jsonl")
+    p.add_argument("--resume", action="store_true", help="continue an existing output file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument("--num-workers", type=int, default=1, help="engine actors")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per actor call")
+    p.add_argument("--num-cpus", type=float, default=1, help="CPUs per engine actor")
+    p.add_argument("--num-gpus", type=float, default=0, help="GPUs per engine actor")
+    p.set_defaults(func=_batch)
     p = sub.add_parser("serve", help="run a Ray Serve config (default serve_config.yaml)")
     p.add_argument("config", nargs="?", default=os.environ.get("LMSERVE_CONFIG", "serve_config.yaml"))
     p.set_defaults(func=_serve)
