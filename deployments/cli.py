@@ -4,6 +4,7 @@
                                               on Ray Serve (like `llamafactory-cli api`)
     lmserve chat CONFIG.yaml [key=value ...]  terminal chat with an in-process engine
                                               (like `llamafactory-cli chat`)
+    lmserve batch CONFIG.yaml --dataset FILE  offline generation on Ray Data (like vllm_infer.py)
     lmserve serve [CONFIG]                    run a Ray Serve config (default serve_config.yaml)
     lmserve download [NAME]                   fetch and convert a model into the cache
     lmserve check [CONFIG]                    validate a serve config's models
@@ -91,12 +92,71 @@ async def _chat_loop(config) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    # Ray Serve's own CLI does the work (local cluster, deploy, logs, Ctrl-C shutdown).
-    from ray.serve.scripts import cli as serve_cli
+def _batch(args: argparse.Namespace) -> int:
+    """Offline generation over a dataset on Ray Data (like LLaMA-Factory's vllm_infer.py)."""
+    from deployments.batch import DatasetError, run_batch
 
-    sys.argv = ["serve", "run", str(args.config)]
-    return serve_cli.main(standalone_mode=True) or 0
+    config = load_config_file(args.config, args.overrides)
+    try:
+        run_batch(config, args.dataset, args.output, resume=args.resume, overwrite=args.overwrite,
+                  num_workers=args.num_workers, batch_size=args.batch_size,
+                  num_cpus_per_worker=args.num_cpus, num_gpus_per_worker=args.num_gpus)
+    except (DatasetError, FileExistsError) as exc:
+        print(f"lmserve batch: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """`serve run CONFIG` with a graceful drain: on SIGTERM or Ctrl-C the applications are
+    deleted first, which lets every replica finish its in-flight requests (up to its
+    `graceful_shutdown_timeout_s`) while new requests are refused, and only then is Serve shut
+    down. A second signal stops at once. (Ray's own `serve run` shuts down at once and cuts
+    open streams.)"""
+    import signal
+    import time
+
+    import ray
+    from ray import serve
+    from ray.serve._private import api as serve_private_api  # what `serve run` itself uses
+    from ray.serve.config import ProxyLocation, gRPCOptions
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(Path(args.config).read_text()))
+    ray.init(namespace="serve")
+    client = serve_private_api.serve_start(
+        http_options=config.http_options.model_dump(),
+        proxy_location=config.proxy_location or ProxyLocation.EveryNode,
+        grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
+        controller_options=config.controller_options,
+    )
+    client.deploy_apps(config, _blocking=False)
+    print(f"lmserve: deployed {args.config}; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
+
+    stop = {"signals": 0}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop["signals"] += 1
+        if stop["signals"] > 1:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        while not stop["signals"]:
+            time.sleep(0.5)
+        print("lmserve: draining in-flight requests...", file=sys.stderr)
+        for app in config.applications:
+            serve.delete(app.name, _blocking=False)
+        # Each replica waits for its own requests up to its graceful_shutdown_timeout_s.
+        deadline = time.monotonic() + float(os.environ.get("LMSERVE_DRAIN_TIMEOUT_S", 300))
+        while serve.status().applications and time.monotonic() < deadline:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("lmserve: second signal, stopping now", file=sys.stderr)
+    finally:
+        serve.shutdown()
+    return 0
 
 
 def _download(args: argparse.Namespace) -> int:
@@ -152,6 +212,18 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("config", help="LLaMA-Factory inference YAML, e.g. model_name_or_path: smollm2")
         p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
         p.set_defaults(func=func)
+    p = sub.add_parser("batch", help="generate predictions for a dataset on Ray Data (alpaca/sharegpt JSON/JSONL)")
+    p.add_argument("config", help="LLaMA-Factory inference YAML")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
+    p.add_argument("--dataset", required=True, help="alpaca or sharegpt JSON/JSONL file")
+    p.add_argument("--output", default="generated_predictions.jsonl")
+    p.add_argument("--resume", action="store_true", help="continue an existing output file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument("--num-workers", type=int, default=1, help="engine actors")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per actor call")
+    p.add_argument("--num-cpus", type=float, default=1, help="CPUs per engine actor")
+    p.add_argument("--num-gpus", type=float, default=0, help="GPUs per engine actor")
+    p.set_defaults(func=_batch)
     p = sub.add_parser("serve", help="run a Ray Serve config (default serve_config.yaml)")
     p.add_argument("config", nargs="?", default=os.environ.get("LMSERVE_CONFIG", "serve_config.yaml"))
     p.set_defaults(func=_serve)

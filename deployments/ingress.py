@@ -13,6 +13,7 @@ the application's args.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
@@ -20,12 +21,13 @@ import os
 import time
 import uuid
 from functools import partial
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ray.serve.exceptions import BackPressureError
@@ -62,12 +64,14 @@ from deployments.protocol import (
     UsageInfo,
 )
 from engines import engine_capabilities
-from engines.base import Capabilities, GenerationDelta, GenerationRequest, NotSupportedError, Usage
+from engines.base import Capabilities, GenerationDelta, GenerationRequest, NotSupportedError, TokenLogprob, Usage
 from engines.config import EngineConfig
 from engines.model_source import resolve_model_path
 from engines.prompt import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
+
+_WEBCHAT_HTML = (Path(__file__).parent / "webchat.html").read_text()
 
 
 async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -86,6 +90,7 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     # built, so `_start_stream` turns that one into an `OverloadedError` where it arises.
     for exc_type in (RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _error_handler)
+    app.get("/", response_class=HTMLResponse, include_in_schema=False)(ingress.webchat)
     app.get("/health")(ingress.health)
     app.get("/v1/models")(ingress.list_models)
     app.get("/v1/models/{model_id:path}")(ingress.get_model)
@@ -100,6 +105,21 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
 
 
 class _ModelEntry:
+    """A public model ID: a base model, or one of its LoRA adapters (`lora_name` set) served by
+    the base model's replicas."""
+
+    lora_name: str | None = None
+    parent: str | None = None
+
+    def for_adapter(self, name: str) -> "_ModelEntry":
+        adapter = copy.copy(self)
+        adapter.model_id, adapter.lora_name, adapter.parent = f"{self.model_id}:{name}", name, self.model_id
+        return adapter
+
+    @property
+    def root(self) -> str:
+        return self.config.lora_adapters[self.lora_name] if self.lora_name else self.config.model_name_or_path
+
     def __init__(self, model_id: str, config: EngineConfig, handle: Any):
         self.model_id = model_id
         self.config = config
@@ -121,9 +141,14 @@ class OpenAIIngress:
         self.settings = IngressSettings.model_validate(settings or {})
         self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), handles[mid]) for mid, cfg in models.items()}
         self.api_keys = [k.encode() for k in self.settings.resolve_api_keys()]
+        await asyncio.gather(*(self._load_renderer(entry) for entry in self.models.values()))
+        self.base_model_ids = list(self.models)
+        for entry in list(self.models.values()):
+            for name in entry.config.lora_adapters:
+                adapter = entry.for_adapter(name)
+                self.models[adapter.model_id] = adapter
         self.metrics = ingress_metrics()
         self.metrics.add_models({mid: e.config.infer_backend for mid, e in self.models.items()})
-        await asyncio.gather(*(self._load_renderer(entry) for entry in self.models.values()))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self)
@@ -159,8 +184,8 @@ class OpenAIIngress:
 
     def _resolve_model(self, model: str | None) -> _ModelEntry:
         if model is None:
-            if len(self.models) == 1:
-                return next(iter(self.models.values()))
+            if len(self.base_model_ids) == 1:
+                return self.models[self.base_model_ids[0]]
             raise BadRequestError("`model` is required when several models are served", param="model")
         entry = self.models.get(model)
         if entry is None:
@@ -269,18 +294,23 @@ class OpenAIIngress:
 
     # ---- routes --------------------------------------------------------------------------
 
+    async def webchat(self) -> HTMLResponse:
+        """A small web chat (model picker, streaming, system prompt, sampling settings); the
+        page itself needs no API key, its API calls send the one typed into it."""
+        return HTMLResponse(_WEBCHAT_HTML)
+
     async def health(self) -> dict[str, str]:
         """Liveness of the ingress; needs no API key."""
         return {"status": "ok"}
 
     async def list_models(self, request: Request) -> ModelList:
         self._authorize(request)
-        return ModelList(data=[ModelCard(id=mid, root=e.config.model_name_or_path) for mid, e in self.models.items()])
+        return ModelList(data=[ModelCard(id=mid, root=e.root, parent=e.parent) for mid, e in self.models.items()])
 
     async def get_model(self, model_id: str, request: Request) -> ModelCard:
         self._authorize(request)
         entry = self._resolve_model(model_id)
-        return ModelCard(id=entry.model_id, root=entry.config.model_name_or_path)
+        return ModelCard(id=entry.model_id, root=entry.root, parent=entry.parent)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = time.monotonic()
@@ -296,7 +326,7 @@ class OpenAIIngress:
         request_id = self._request_id(request, "chatcmpl")
         if self.settings.log_prompts:
             logger.info("%s messages=%r", request_id, messages)
-        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
+        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name)
         created = int(time.time())
         if body.stream:
             first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)
@@ -305,7 +335,7 @@ class OpenAIIngress:
                                        parse_tools=body.tools_enabled)
             return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
                                                  backend=entry.config.infer_backend))
-        texts, finish, stop_reasons, usage = await self._generate_full(entry, gen_request, body.n, arrival)
+        texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
         if self.settings.log_prompts:
             logger.info("%s completions=%r", request_id, texts)
         choices = []
@@ -313,6 +343,7 @@ class OpenAIIngress:
             content, calls = parse_tool_calls(texts[i]) if body.tools_enabled else (texts[i], [])
             choices.append(ChatCompletionChoice(
                 index=i, message=AssistantMessage(content=content, tool_calls=[c.to_openai() for c in calls] or None),
+                logprobs=chat_logprobs(logprobs[i]),
                 finish_reason="tool_calls" if calls else finish[i], stop_reason=stop_reasons[i]))
         return _json_response(ChatCompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage), choices=choices))
@@ -337,7 +368,7 @@ class OpenAIIngress:
         request_id = self._request_id(request, "cmpl")
         if self.settings.log_prompts:
             logger.info("%s prompt=%r", request_id, prompt)
-        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
+        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name)
         created = int(time.time())
         if body.stream:
             first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)
@@ -345,10 +376,11 @@ class OpenAIIngress:
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
             return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
                                                  backend=entry.config.infer_backend))
-        texts, finish, stop_reasons, usage = await self._generate_full(entry, gen_request, body.n, arrival)
+        texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
-            choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i])
+            choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i],
+                                      logprobs=completion_logprobs(logprobs[i]))
                      for i in range(body.n)],
         ))
 
@@ -378,9 +410,9 @@ class OpenAIIngress:
                 yield chunk([ChatCompletionChunkChoice(
                     index=delta.index, delta=DeltaMessage(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
                     finish_reason="tool_calls", stop_reason=delta.stop_reason)])
-            elif text or finish:
+            elif text or finish or delta.logprobs:
                 yield chunk([ChatCompletionChunkChoice(
-                    index=delta.index, delta=DeltaMessage(content=text),
+                    index=delta.index, delta=DeltaMessage(content=text), logprobs=chat_logprobs(delta.logprobs),
                     finish_reason=finish, stop_reason=delta.stop_reason)])
             usage = delta.usage or usage
         if include_usage and usage is not None:
@@ -389,10 +421,14 @@ class OpenAIIngress:
     async def _completion_chunks(self, request_id: str, created: int, model: str, first: list[GenerationDelta],
                                  stream: AsyncIterator[GenerationDelta], include_usage: bool) -> AsyncIterator[str]:
         usage = None
+        offsets: dict[int, int] = {}
         async for delta in _chain(first, stream):
-            if delta.text or delta.finish_reason:
+            if delta.text or delta.finish_reason or delta.logprobs:
+                logprobs = completion_logprobs(delta.logprobs, offsets.get(delta.index, 0))
+                offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
                 c = CompletionResponse(id=request_id, created=created, model=model, choices=[CompletionChoice(
-                    index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                    index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                    logprobs=logprobs)])
                 yield _sse(c.model_dump(exclude={"usage"} if not include_usage else set()))
             usage = delta.usage or usage
         if include_usage and usage is not None:
@@ -419,19 +455,48 @@ async def _chain(first: list[GenerationDelta], stream: AsyncIterator[GenerationD
 
 
 async def _collect(n: int, first: list[GenerationDelta], stream: AsyncIterator[GenerationDelta]):
+    """All deltas of a non-streamed request: per choice its text, finish reason, stop reason
+    and token logprobs (None when not asked for), plus the usage."""
     texts = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     stop_reasons: list[str | int | None] = [None] * n
+    logprobs: list[list[TokenLogprob] | None] = [None] * n
     usage: Usage | None = None
     try:
         async for delta in _chain(first, stream):
             texts[delta.index].append(delta.text)
+            if delta.logprobs:
+                logprobs[delta.index] = (logprobs[delta.index] or []) + delta.logprobs
             if delta.finish_reason:
                 finish[delta.index], stop_reasons[delta.index] = delta.finish_reason, delta.stop_reason
             usage = delta.usage or usage
     except _GenerationFailed as exc:
         raise exc.error_as_exception() from None
-    return ["".join(t) for t in texts], finish, stop_reasons, usage
+    return ["".join(t) for t in texts], finish, stop_reasons, usage, logprobs
+
+
+def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
+    """OpenAI chat `logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`."""
+    if tokens is None:
+        return None
+
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**item(t.token, t.logprob), "top_logprobs": [item(a, lp) for a, lp in t.top_logprobs]}
+                        for t in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+    """OpenAI completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    if tokens is None:
+        return None
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t.token)
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [dict(t.top_logprobs) for t in tokens], "text_offset": offsets}
 
 
 def _usage_info(usage: Usage | None) -> UsageInfo:

@@ -150,8 +150,13 @@ class SamplingFields(OpenAIBaseModel):
             ignore_eos=self.ignore_eos,
             n=self.n,
             seed=self.seed,
+            logprobs=self.num_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
         )
+
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; k: the chosen token's log-probability plus the top k."""
+        return None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -168,6 +173,15 @@ class ChatCompletionRequest(SamplingFields):
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
 
     @property
     def tools_enabled(self) -> bool:
@@ -189,6 +203,9 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -230,7 +247,7 @@ class AssistantMessage(BaseModel):
 class ChatCompletionChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -253,7 +270,7 @@ class DeltaMessage(BaseModel):
 class ChatCompletionChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -270,7 +287,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

@@ -74,7 +74,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     seed: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus top k
     skip_special_tokens: bool = True
 
     @property
@@ -123,6 +123,17 @@ class Usage:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token with its log-probability and the top alternatives (OpenAI's
+    `logprobs.content[i]`); `token` is the token's text."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
 class GenerationDelta:
     """A piece of one choice's output.
 
@@ -137,6 +148,7 @@ class GenerationDelta:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

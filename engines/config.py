@@ -10,6 +10,7 @@ non-default value logs a warning instead of being silently dropped. Unknown fiel
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -200,6 +201,22 @@ class EngineConfig(BaseModel):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return list(value)
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """Adapter name -> path for every adapter in `adapter_name_or_path`.
+
+        The name is the path's last component (`saves/llama3-8b/lora/sft` -> `sft`), made
+        unique with a numeric suffix; clients select it with model ID `<model_id>:<name>`.
+        """
+        names: dict[str, str] = {}
+        for path in self.adapters:
+            base = re.sub(r"[^A-Za-z0-9_.-]", "_", path.rstrip("/").split("/")[-1]) or "adapter"
+            name, k = base, 2
+            while name in names:
+                name, k = f"{base}-{k}", k + 1
+            names[name] = path
+        return names
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str | None = None) -> "EngineConfig":

@@ -32,8 +32,10 @@ from engines.base import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# (choice index, token id or None, finish reason or None, stop reason or None)
-TokenEvent = tuple[int, "int | None", "str | None", "str | int | None"]
+# (choice index, token id, finish reason or None, stop reason or None, logprobs or None) where
+# logprobs = (log-probability of the token, [(token id, log-probability), ...] top alternatives)
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+TokenEvent = tuple[int, int, "str | None", "str | int | None", "TokenLogprobs | None"]
 
 
 @dataclass(eq=False)
@@ -51,6 +53,7 @@ class BatchRequest:
     eos_ids: set[int]
     generator: torch.Generator
     emit: Callable[[list[TokenEvent] | BaseException], None]
+    lora_name: str | None = None
     cancelled: bool = False
     finished_choices: set[int] = field(default_factory=set)
 
@@ -87,6 +90,8 @@ class ContinuousBatcher:
                  use_kv_cache: bool = True):
         self.model = model
         self.device = model.device
+        # A peft model takes one adapter name per row ("__base__" = no adapter).
+        self._mixed_adapters = hasattr(model, "peft_config")
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.use_kv_cache = use_kv_cache
@@ -223,7 +228,8 @@ class ContinuousBatcher:
             ids[i, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
             mask[i, width - len(request.prompt_ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=self.use_kv_cache)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=self.use_kv_cache,
+                         **self._adapter_kwargs(admitted))
         repeat = torch.tensor([r.params.n for r in admitted], device=self.device)
         row_of = torch.repeat_interleave(torch.arange(len(admitted), device=self.device), repeat)
         logits = out.logits[:, -1, :].float().index_select(0, row_of)
@@ -234,13 +240,14 @@ class ContinuousBatcher:
             if len(new_rows) != len(admitted):
                 new_cache.batch_select_indices(row_of)
         tokens = self._sample(new_rows, logits)
+        logprobs = self._logprobs(new_rows, logits, tokens)
         old_rows = [r for r in self._rows if r.generated]
         # Decode the running rows now too, so a stream of arrivals cannot starve them.
         if old_rows and self.use_kv_cache:
             self._decode(events)
         self._merge(new_rows, new_cache, mask.index_select(0, row_of), tokens)
-        for row, token in zip(new_rows, tokens.tolist()):
-            self._record(row, token, events)
+        for row, token, lp in zip(new_rows, tokens.tolist(), logprobs):
+            self._record(row, token, events, lp)
 
     def _merge(self, rows: list[_Row], cache: Any, mask: torch.Tensor, tokens: torch.Tensor) -> None:
         if not self._rows:
@@ -270,22 +277,49 @@ class ContinuousBatcher:
             mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
             positions = (mask.sum(-1, keepdim=True) - 1)
             out = self.model(input_ids=self._next_tokens[:, None], attention_mask=mask, position_ids=positions,
-                             past_key_values=self._cache, use_cache=True)
+                             past_key_values=self._cache, use_cache=True,
+                             **self._adapter_kwargs([r.request for r in self._rows]))
             self._cache, self._mask = out.past_key_values, mask
             logits = out.logits[:, -1, :].float()
         else:
             logits = torch.cat([self._full_forward(r) for r in self._rows])
             self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
         tokens = self._sample(self._rows, logits)
+        logprobs = self._logprobs(self._rows, logits, tokens)
         self._next_tokens = tokens
-        for row, token in zip(self._rows, tokens.tolist()):
-            self._record(row, token, events)
+        for row, token, lp in zip(self._rows, tokens.tolist(), logprobs):
+            self._record(row, token, events, lp)
 
     def _full_forward(self, row: _Row) -> torch.Tensor:
         ids = torch.tensor([row.request.prompt_ids + row.generated], device=self.device)
-        return self.model(input_ids=ids, use_cache=False).logits[:, -1, :].float()
+        return self.model(input_ids=ids, use_cache=False, **self._adapter_kwargs([row.request])).logits[:, -1, :].float()
 
-    def _record(self, row: _Row, token: int, events: dict) -> None:
+    def _adapter_kwargs(self, requests: list[BatchRequest]) -> dict:
+        if not self._mixed_adapters:
+            return {}
+        return {"adapter_names": [r.lora_name or "__base__" for r in requests]}
+
+    @staticmethod
+    def _logprobs(rows: list[_Row], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+        """Log-probabilities of the chosen tokens and the top alternatives, from the model's
+        raw distribution (before penalties and sampling warpers, as vLLM reports by default),
+        for the rows whose request asked for them."""
+        wanted = [r.request.params.logprobs is not None for r in rows]
+        if not any(wanted):
+            return [None] * len(rows)
+        logp = torch.log_softmax(logits, dim=-1)
+        out: list[TokenLogprobs | None] = []
+        for i, (row, want) in enumerate(zip(rows, wanted)):
+            if not want:
+                out.append(None)
+                continue
+            k = row.request.params.logprobs
+            top = torch.topk(logp[i], k) if k else None
+            alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            out.append((float(logp[i, tokens[i]]), alternatives))
+        return out
+
+    def _record(self, row: _Row, token: int, events: dict, logprobs: TokenLogprobs | None = None) -> None:
         if row.done:
             return
         request = row.request
@@ -298,7 +332,7 @@ class ContinuousBatcher:
         elif len(row.generated) >= request.max_tokens:
             finish = "length"
         row.finished = finish is not None
-        events.setdefault(id(request), (request, []))[1].append((row.index, token, finish, stop_reason))
+        events.setdefault(id(request), (request, []))[1].append((row.index, token, finish, stop_reason, logprobs))
 
     # ---- sampling -------------------------------------------------------------------------
 

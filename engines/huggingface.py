@@ -27,6 +27,7 @@ from engines.base import (
     ModelInfo,
     ModelLoadError,
     SamplingParams,
+    TokenLogprob,
     Usage,
 )
 from engines.config import EngineConfig
@@ -72,6 +73,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0
     reported_tokens: int = 0
+    pending_logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -93,7 +95,7 @@ class HuggingFaceEngine(Engine):
         config: the model's `EngineConfig` (`infer_backend: huggingface`).
     """
 
-    capabilities = Capabilities(backend="huggingface", logprobs=False, lora=False, response_format=False)
+    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -128,8 +130,7 @@ class HuggingFaceEngine(Engine):
                                                          trust_remote_code=self.config.trust_remote_code)
         except Exception as exc:
             raise ModelLoadError(f"could not load model from {path!r}: {type(exc).__name__}: {exc}") from exc
-        if self.config.adapters:
-            raise ModelLoadError("adapter_name_or_path is not supported on the huggingface backend yet")
+        model = self._load_adapters(model)
         self._model = model.to(device).eval()
         try:
             gen_config = GenerationConfig.from_pretrained(path)
@@ -142,6 +143,26 @@ class HuggingFaceEngine(Engine):
         self._info = ModelInfo(max_model_len=int(max_len), dtype=str(dtype).removeprefix("torch."),
                                device=device)
         logger.info("loaded %s on %s as %s", path, device, dtype)
+
+    def _load_adapters(self, model: Any) -> Any:
+        """Wrap `model` with every LoRA adapter (peft), each under its own name; a batch can then
+        mix adapters row by row (peft's `adapter_names`), and rows without one use the base."""
+        adapters = self.config.lora_adapters
+        if not adapters:
+            return model
+        from peft import PeftModel
+
+        for i, (name, path) in enumerate(adapters.items()):
+            try:
+                if i == 0:
+                    model = PeftModel.from_pretrained(model, path, adapter_name=name)
+                else:
+                    model.load_adapter(path, adapter_name=name)
+            except Exception as exc:
+                raise ModelLoadError(f"could not load LoRA adapter {name!r} from {path!r}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+        logger.info("loaded LoRA adapters %s", list(adapters))
+        return model
 
     def model_info(self) -> ModelInfo:
         if self._info is None:
@@ -179,6 +200,7 @@ class HuggingFaceEngine(Engine):
         batch_request = BatchRequest(
             request_id=request.request_id, prompt_ids=state.prompt_ids, params=state.params,
             max_tokens=state.max_tokens, eos_ids=state.eos_ids, generator=state.generator,
+            lora_name=request.lora_name,
             emit=lambda items: loop.call_soon_threadsafe(events.put_nowait, items),
         )
         self._batcher.submit(batch_request)
@@ -188,8 +210,10 @@ class HuggingFaceEngine(Engine):
                 if isinstance(items, BaseException):
                     raise EngineUnavailableError(f"huggingface engine failed: {type(items).__name__}: {items}")
                 deltas = []
-                for index, token, finish, stop_reason in items:
+                for index, token, finish, stop_reason, logprobs in items:
                     choice = state.choices[index]
+                    if logprobs is not None:
+                        choice.pending_logprobs.append(self._token_logprob(token, logprobs))
                     delta = self._advance(state, choice, token, finish, stop_reason)
                     if choice.finish_reason and not finish:  # a stop string ended it here
                         self._batcher.finish_choice(batch_request, index)
@@ -235,9 +259,12 @@ class HuggingFaceEngine(Engine):
             max_tokens = params.max_tokens
         else:
             max_tokens = min(cfg.max_new_tokens, max_len - prompt_len)
+        if request.lora_name is not None and request.lora_name not in self.config.lora_adapters:
+            raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
+                                      f"{sorted(self.config.lora_adapters)}", param="model")
         vocab = len(self._tokenizer)
         for tid in params.stop_token_ids:
-            if not 0 <= tid < max(vocab, self._model.config.vocab_size):
+            if not 0 <= tid < max(vocab, self._model.get_output_embeddings().weight.shape[0]):
                 raise InvalidRequestError(f"stop_token_ids: {tid} is not a token id of this model",
                                           param="stop_token_ids")
         generator = torch.Generator(device=self._model.device)
@@ -284,8 +311,15 @@ class HuggingFaceEngine(Engine):
         num_tokens = len(choice.token_ids) - choice.reported_tokens
         choice.reported_tokens = len(choice.token_ids)
         choice.emitted_chars = max(choice.emitted_chars, emitted_to)
-        return GenerationDelta(index=choice.index, text=text, num_tokens=num_tokens,
+        logprobs, choice.pending_logprobs = choice.pending_logprobs or None, []
+        return GenerationDelta(index=choice.index, text=text, num_tokens=num_tokens, logprobs=logprobs,
                                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+
+    def _token_logprob(self, token: int, logprobs: tuple) -> TokenLogprob:
+        logprob, top = logprobs
+        decode = self._tokenizer.decode
+        return TokenLogprob(token_id=token, token=decode([token]), logprob=logprob,
+                            top_logprobs=[(decode([t]), lp) for t, lp in top])
 
     def _decode_text(self, token_ids: list[int], params: SamplingParams) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)

@@ -36,6 +36,27 @@ def model_dir():
 
 
 @pytest.fixture(scope="session")
+def lora_dir(model_dir, tmp_path_factory):
+    """A small LoRA adapter for the default model, made with peft (fixed seed, weights scaled up
+    so that it visibly changes greedy output). Its directory name, `sft-lora`, is its name."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(40)
+    out = tmp_path_factory.mktemp("adapters") / "sft-lora"
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def hf_engine(model_dir):
     from engines.config import EngineConfig
     from engines.huggingface import HuggingFaceEngine
@@ -81,7 +102,7 @@ def metrics_url(serve_url, metrics_port) -> str:
 
 
 @pytest.fixture(scope="session")
-def serve_url(model_dir, metrics_port):
+def serve_url(model_dir, lora_dir, metrics_port):
     """A local Ray cluster with the lmserve app (default model, API key required) deployed.
 
     Yields the base URL, e.g. http://127.0.0.1:PORT. Ray's Prometheus endpoint is on
@@ -99,7 +120,7 @@ def serve_url(model_dir, metrics_port):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({
-        "models": [{"model_id": "smollm2", "model_name_or_path": "smollm2",
+        "models": [{"model_id": "smollm2", "model_name_or_path": "smollm2", "adapter_name_or_path": str(lora_dir),
                     "deployment": {"ray_actor_options": {"num_cpus": 1},
                                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}}],
         "api_keys": [TEST_API_KEY],

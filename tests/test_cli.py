@@ -90,3 +90,61 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_serve_drains_streams_on_sigterm(tmp_path, model_dir):
+    import httpx
+    import json
+    import threading
+
+    port = _free_port()
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(f"""
+http_options: {{host: 127.0.0.1, port: {port}}}
+applications:
+  - name: drain
+    route_prefix: /
+    import_path: deployments.app:build_app
+    args:
+      models:
+        - model_id: smollm2
+          deployment: {{ray_actor_options: {{num_cpus: 1}}}}
+""")
+    proc = subprocess.Popen(LMSERVE + ["serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, "lmserve serve exited"
+            try:
+                if httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                              timeout=30).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "not serving in time"
+            time.sleep(1)
+        events, ready = [], threading.Event()
+
+        def read():
+            body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 48,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url, json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                        ready.set()
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        assert ready.wait(60)
+        proc.send_signal(signal.SIGTERM)  # to the main process only, as a container runtime does
+        thread.join(120)
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -195,3 +195,32 @@ def test_batch_limit_queues_requests(model_dir, renderer):
         assert max(seen_waiting) >= 1
     finally:
         run(engine.shutdown())
+
+
+def test_lora_adapters_mix_in_one_batch(model_dir, lora_dir, renderer, hf_engine):
+    """An engine with a LoRA adapter: requests naming it differ from the base; base requests are
+    unchanged; both kinds batched together give the same answers as alone."""
+    from engines.config import EngineConfig
+    from engines.huggingface import HuggingFaceEngine
+
+    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), adapter_name_or_path=str(lora_dir)))
+    run(engine.start())
+    try:
+        ids = renderer.render_chat(QUESTION)
+        base_alone = text_of(generate(hf_engine, ids, temperature=0, max_tokens=16))
+
+        def one(lora):
+            return GenerationRequest("l", ids, SamplingParams(temperature=0, max_tokens=16), lora_name=lora)
+
+        base = text_of(run(collect(engine, one(None))))
+        tuned = text_of(run(collect(engine, one("sft-lora"))))
+        assert base == base_alone and tuned != base
+
+        async def together():
+            return await asyncio.gather(collect(engine, one(None)), collect(engine, one("sft-lora")))
+
+        assert [text_of(d) for d in run(together())] == [base, tuned]
+        with pytest.raises(InvalidRequestError, match="unknown LoRA adapter"):
+            run(collect(engine, one("nope")))
+    finally:
+        run(engine.shutdown())
