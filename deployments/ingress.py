@@ -200,14 +200,14 @@ class OpenAIIngress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage)
-            return _sse_response(chunks, request_id)
+            return _sse_response(chunks, request_id, entry.capabilities.backend)
         texts, finish, stop_reasons, usage = await _collect(body.n, first, stream)
         return _json_response(ChatCompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
             choices=[ChatCompletionChoice(index=i, message=AssistantMessage(content=texts[i]),
                                           finish_reason=finish[i], stop_reason=stop_reasons[i])
                      for i in range(body.n)],
-        ), request_id)
+        ), request_id, entry.capabilities.backend)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -232,13 +232,13 @@ class OpenAIIngress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
-            return _sse_response(chunks, request_id)
+            return _sse_response(chunks, request_id, entry.capabilities.backend)
         texts, finish, stop_reasons, usage = await _collect(body.n, first, stream)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
             choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i])
                      for i in range(body.n)],
-        ), request_id)
+        ), request_id, entry.capabilities.backend)
 
     # ---- SSE -----------------------------------------------------------------------------
 
@@ -321,7 +321,12 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _sse_response(chunks: AsyncIterator[str], request_id: str) -> StreamingResponse:
+def _headers(request_id: str, backend: str) -> dict[str, str]:
+    # x-lmserve-backend tells clients (and tests) which inference backend answered.
+    return {"x-request-id": request_id, "x-lmserve-backend": backend}
+
+
+def _sse_response(chunks: AsyncIterator[str], request_id: str, backend: str) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for text in chunks:
@@ -335,8 +340,8 @@ def _sse_response(chunks: AsyncIterator[str], request_id: str) -> StreamingRespo
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"x-request-id": request_id, "cache-control": "no-cache"})
+                             headers={**_headers(request_id, backend), "cache-control": "no-cache"})
 
 
-def _json_response(model: Any, request_id: str) -> JSONResponse:
-    return JSONResponse(model.model_dump(), headers={"x-request-id": request_id})
+def _json_response(model: Any, request_id: str, backend: str) -> JSONResponse:
+    return JSONResponse(model.model_dump(), headers=_headers(request_id, backend))
