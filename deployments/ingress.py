@@ -92,7 +92,10 @@ class OpenAIIngress:
     async def __init__(self, models: dict[str, dict], handles: dict[str, Any], api_keys: list[str] | None = None):
         self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), handles[mid]) for mid, cfg in models.items()}
         self.api_keys = [k.encode() for k in (api_keys if api_keys is not None else _api_keys_from_env())]
-        await asyncio.gather(*(self._load_renderer(entry) for entry in self.models.values()))
+        # One model at a time: transformers' lazy imports are not thread-safe on first use (two
+        # renderers loading at once in a fresh process fail with "cannot import name 'AutoTokenizer'").
+        for entry in self.models.values():
+            await self._load_renderer(entry)
 
     @staticmethod
     async def _load_renderer(entry: _ModelEntry) -> None:
