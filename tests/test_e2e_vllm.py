@@ -31,9 +31,11 @@ def backends_client(serve_url):
         ],
         "api_keys": [TEST_API_KEY],
     })
-    serve.run(app, name="lmserve-backends", route_prefix="/backends")
-    yield openai.OpenAI(base_url=serve_url + "/backends/v1", api_key=TEST_API_KEY, max_retries=0, timeout=300)
-    serve.delete("lmserve-backends")
+    try:
+        serve.run(app, name="lmserve-backends", route_prefix="/backends")
+        yield openai.OpenAI(base_url=serve_url + "/backends/v1", api_key=TEST_API_KEY, max_retries=0, timeout=300)
+    finally:
+        serve.delete("lmserve-backends")  # frees its vLLM replica's core for the tests after this module
 
 
 def chat(client, model, **kwargs):
