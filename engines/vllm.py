@@ -51,14 +51,16 @@ def pick_vllm_dtype(infer_dtype: str, device: str) -> str:
     """The `dtype` engine argument for `infer_dtype` on `device` ("cpu", "cuda", ...).
 
     An explicit `infer_dtype` wins. `auto` is float32 on CPU: vLLM's own `auto` picks bfloat16
-    there for float32 checkpoints, and vLLM's CPU bfloat16 path answered garbage on the default
-    model where float32 is right (measured, ../shared/DESIGN.md). On GPUs `auto` is vLLM's rule:
-    the checkpoint's 16-bit dtype, float32 checkpoints in bfloat16 (float16 without bf16 support).
+    there for float32 checkpoints, and with it vLLM answered garbage on the default model where
+    float32 is right (../shared/DESIGN.md). That model's first answer token is a near tie ("The"
+    logprob -1.88 vs "L" -1.96 in float32), so bfloat16 rounding can flip greedy output; float32
+    on CPU matches the huggingface backend token for token. On GPUs `auto` is vLLM's rule: the
+    checkpoint's 16-bit dtype, float32 checkpoints in bfloat16 (float16 without bf16 support).
     """
     if infer_dtype != "auto":
         if device == "cpu" and infer_dtype != "float32":
-            logger.warning("infer_dtype=%s on CPU: vLLM's CPU %s path gave wrong output on "
-                           "SmolLM2 (float32 is right); check your model's answers", infer_dtype, infer_dtype)
+            logger.warning("infer_dtype=%s on CPU: vLLM in %s changed SmolLM2's greedy answers "
+                           "(float32 is right); check your model's", infer_dtype, infer_dtype)
         return infer_dtype
     return "float32" if device == "cpu" else "auto"
 
