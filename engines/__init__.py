@@ -5,7 +5,7 @@ from __future__ import annotations
 from engines.base import Capabilities, Engine
 from engines.config import EngineConfig
 
-BUILT_BACKENDS = ("huggingface",)
+BUILT_BACKENDS = ("huggingface", "vllm")
 
 
 def engine_class(backend: str) -> type[Engine]:
@@ -18,6 +18,10 @@ def engine_class(backend: str) -> type[Engine]:
         from engines.huggingface import HuggingFaceEngine
 
         return HuggingFaceEngine
+    if backend == "vllm":
+        from engines.vllm import VLLMEngine
+
+        return VLLMEngine
     raise NotImplementedError(
         f"infer_backend {backend!r} is not available in this version of lmserve "
         f"(built so far: {', '.join(BUILT_BACKENDS)})"

@@ -124,13 +124,13 @@ class Usage:
 
 @dataclass
 class TokenLogprob:
-    """One generated token with its log-probability and the top alternatives (OpenAI's
-    `logprobs.content[i]`); `token` is the token's text."""
+    """A generated token's log-probability (natural log) and, in `top_logprobs`, the most likely
+    tokens at its position, best first (OpenAI's `logprobs.content[i]` / vLLM's `Logprob`)."""
 
     token_id: int
     token: str
     logprob: float
-    top_logprobs: list[tuple[str, float]] = field(default_factory=list)
+    top_logprobs: list["TokenLogprob"] = field(default_factory=list)
 
 
 @dataclass
@@ -139,7 +139,9 @@ class GenerationDelta:
 
     `index` is the choice (0..n-1); `text` the newly decoded text; `num_tokens` how many tokens
     were generated for it since the previous delta of that choice. `finish_reason` is set on the
-    last delta of a choice; `usage` on the last delta of the whole request.
+    last delta of a choice; `usage` on the last delta of the whole request. `logprobs` (only when
+    `SamplingParams.logprobs` is set and the backend has the capability) holds one entry per
+    token of this delta.
     """
 
     index: int = 0
@@ -149,6 +151,32 @@ class GenerationDelta:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+
+
+def resolve_max_tokens(prompt_len: int, max_tokens: int | None, default_max_new_tokens: int,
+                       max_model_len: int) -> int:
+    """The number of tokens a request may generate, checked against the context length.
+
+    `max_tokens=None` means the config's `max_new_tokens`, cut to what fits after the prompt.
+
+    Raises:
+        InvalidRequestError: empty prompt, prompt filling the context, or prompt + `max_tokens`
+            over `max_model_len` (OpenAI's wording, naming both numbers).
+    """
+    if prompt_len == 0:
+        raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
+    if prompt_len >= max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens.", param="messages")
+    if max_tokens is None:
+        return min(default_max_new_tokens, max_model_len - prompt_len)
+    if prompt_len + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion).", param="max_tokens")
+    return max_tokens
 
 
 @dataclass(frozen=True)

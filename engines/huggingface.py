@@ -319,7 +319,7 @@ class HuggingFaceEngine(Engine):
         logprob, top = logprobs
         decode = self._tokenizer.decode
         return TokenLogprob(token_id=token, token=decode([token]), logprob=logprob,
-                            top_logprobs=[(decode([t]), lp) for t, lp in top])
+                            top_logprobs=[TokenLogprob(t, decode([t]), lp) for t, lp in top])
 
     def _decode_text(self, token_ids: list[int], params: SamplingParams) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)

