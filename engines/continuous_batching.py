@@ -110,10 +110,14 @@ class ContinuousBatcher:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30) -> None:
+        """Stop the worker thread and wait (up to `timeout` s) for its current step to end, so
+        no forward pass is still running when the process exits."""
         with self._wake:
             self._stopped = True
             self._wake.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:

@@ -177,7 +177,7 @@ class HuggingFaceEngine(Engine):
 
     async def shutdown(self) -> None:
         if self._batcher is not None:
-            self._batcher.stop()
+            await asyncio.to_thread(self._batcher.stop)
         self._model = None
 
     @property
