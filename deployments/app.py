@@ -12,10 +12,11 @@ import copy
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments import constants
 from deployments.constants import INGRESS_DEPLOYMENT_DEFAULTS, MODEL_DEPLOYMENT_DEFAULTS
+from deployments.settings import IngressSettings
 from engines import engine_class
 from engines.config import ConfigError, EngineConfig, format_validation_error
 
@@ -40,12 +41,19 @@ class AppArgs(BaseModel):
 
     models: list[ModelEntry] = Field(..., min_length=1)
     api_keys: list[str] | None = Field(None, description="Accepted API keys; default: $API_KEY")
+    api_key_file: str | None = Field(None, description="File with one API key per line")
+    cors_allow_origins: list[str] | None = None
+    max_request_body_bytes: int | None = None
+    request_timeout_s: float | None = None
+    log_prompts: bool | None = None
     ingress_deployment: dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("api_keys", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
+    def ingress_settings(self) -> dict[str, Any]:
+        """The `IngressSettings` fields that are set here; the rest come from the environment
+        of the ingress replica."""
+        fields = ("api_keys", "api_key_file", "cors_allow_origins", "max_request_body_bytes",
+                  "request_timeout_s", "log_prompts")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -97,14 +105,22 @@ def model_deployment_options(model_id: str, config: EngineConfig, user: dict, *,
                              device: str | None = None) -> dict:
     """Ray Serve options for a model's deployment: backend defaults, then the user's.
 
+    The deployment autoscales with the backend's `autoscaling_config` defaults (the user's
+    `autoscaling_config` is merged over them, so `target_ongoing_requests` is always explicit),
+    unless the user pins an integer `num_replicas`; `num_replicas: auto` means the defaults.
     `device` places vLLM models (`cuda` or `cpu`; default: `vllm_device()`).
     """
+    user = dict(user)
+    if user.get("num_replicas") == "auto":
+        del user["num_replicas"]
     defaults = MODEL_DEPLOYMENT_DEFAULTS[config.infer_backend]
     if config.infer_backend == "vllm":
         defaults = deep_merge(defaults, vllm_placement_options(config, device or vllm_device()))
     opts = deep_merge(defaults, user)
-    if "autoscaling_config" in user:
-        opts.pop("num_replicas", None)
+    if "num_replicas" in user:
+        if "autoscaling_config" in user:
+            raise ConfigError(f"model {model_id!r}: deployment sets both num_replicas and autoscaling_config")
+        opts.pop("autoscaling_config", None)
     opts.setdefault("name", "ModelServer:" + re.sub(r"[^A-Za-z0-9_.:-]", "_", model_id))
     return opts
 
@@ -145,7 +161,7 @@ def build_app(args: dict[str, Any]):
     """
     from ray import serve
 
-    from deployments.ingress import OpenAIIngress, app
+    from deployments.ingress import OpenAIIngress
     from deployments.model_server import ModelServer
 
     app_args, configs = parse_args(args)
@@ -157,5 +173,10 @@ def build_app(args: dict[str, Any]):
         handles[model_id] = server.bind(model_id, engine_fields)
         model_configs[model_id] = engine_fields
     ingress_opts = deep_merge(INGRESS_DEPLOYMENT_DEFAULTS, app_args.ingress_deployment)
-    ingress = serve.deployment(serve.ingress(app)(OpenAIIngress), **ingress_opts)
-    return ingress.bind(model_configs, handles, app_args.api_keys)
+    # The FastAPI app is built on each ingress replica (OpenAIIngress.__serve_build_asgi_app__).
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress), **ingress_opts)
+    try:
+        IngressSettings.model_validate(app_args.ingress_settings())
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, "application args")) from None
+    return ingress.bind(model_configs, handles, app_args.ingress_settings())

@@ -1,26 +1,162 @@
 """`lmserve` command line.
 
-    lmserve serve [CONFIG]   run a Ray Serve config (default: serve_config.yaml), like `serve run`
-    lmserve download [NAME]  fetch and convert a model into the cache (default: smollm2)
-    lmserve check CONFIG     validate a serve config's models without starting anything
+    lmserve api CONFIG.yaml [key=value ...]   serve one model from a LLaMA-Factory inference YAML
+                                              on Ray Serve (like `llamafactory-cli api`)
+    lmserve chat CONFIG.yaml [key=value ...]  terminal chat with an in-process engine
+                                              (like `llamafactory-cli chat`)
+    lmserve batch CONFIG.yaml --dataset FILE  offline generation on Ray Data (like vllm_infer.py)
+    lmserve serve [CONFIG]                    run a Ray Serve config (default serve_config.yaml)
+    lmserve download [NAME]                   fetch and convert a model into the cache
+    lmserve check [CONFIG]                    validate a serve config's models
+    lmserve render-k8s                        copy serve_config.yaml into k8s/rayservice.yaml's
+                                              serveConfigV2 (--check: only say if they differ)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 from pathlib import Path
 
 import yaml
 
+from engines.config import ConfigError, load_config_file
+
+
+def _api(args: argparse.Namespace) -> int:
+    """Serve one model like `llamafactory-cli api`: API_HOST (0.0.0.0), API_PORT (8000),
+    API_KEY and API_MODEL_NAME (gpt-3.5-turbo) from the environment, as LLaMA-Factory reads them."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = load_config_file(args.config, args.overrides)
+    model_id = os.environ.get("API_MODEL_NAME", "gpt-3.5-turbo")
+    host, port = os.environ.get("API_HOST", "0.0.0.0"), int(os.environ.get("API_PORT", "8000"))
+    entry = {"model_id": model_id, **config.model_dump(exclude={"extra_inert"}, exclude_unset=True)}
+    app = build_app({"models": [entry]})
+    ray.init()
+    serve.start(http_options={"host": host, "port": port})
+    print(f"lmserve: serving {config.model_name_or_path!r} as model {model_id!r} "
+          f"({config.infer_backend}) on http://{host}:{port}/v1", file=sys.stderr)
+    serve.run(app, name="lmserve", route_prefix="/", blocking=True)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """Terminal chat with an in-process engine, like `llamafactory-cli chat` (`clear`, `exit`)."""
+    return asyncio.run(_chat_loop(load_config_file(args.config, args.overrides)))
+
+
+async def _chat_loop(config) -> int:
+    import uuid
+
+    from engines import create_engine
+    from engines.base import GenerationRequest, SamplingParams
+    from engines.prompt import PromptRenderer
+
+    engine = create_engine(config)
+    await engine.start()
+    renderer = await asyncio.to_thread(
+        PromptRenderer.from_pretrained, engine.model_path, template=config.template,
+        default_system=config.default_system, enable_thinking=config.enable_thinking,
+        trust_remote_code=config.trust_remote_code)
+    messages: list[dict] = []
+    print("Welcome to the CLI application, use `clear` to remove the history, use `exit` to exit the application.")
+    try:
+        while True:
+            try:
+                query = await asyncio.to_thread(input, "\nUser: ")
+            except EOFError:
+                break
+            if query.strip() == "exit":
+                break
+            if query.strip() == "clear":
+                messages = []
+                print("History has been removed.")
+                continue
+            messages.append({"role": "user", "content": query})
+            print("Assistant: ", end="", flush=True)
+            ids = renderer.render_chat(messages)
+            response = []
+            async for delta in engine.generate(GenerationRequest(uuid.uuid4().hex, ids, SamplingParams())):
+                print(delta.text, end="", flush=True)
+                response.append(delta.text)
+            print()
+            messages.append({"role": "assistant", "content": "".join(response)})
+    finally:
+        await engine.shutdown()
+    return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    """Offline generation over a dataset on Ray Data (like LLaMA-Factory's vllm_infer.py)."""
+    from deployments.batch import DatasetError, run_batch
+
+    config = load_config_file(args.config, args.overrides)
+    try:
+        run_batch(config, args.dataset, args.output, resume=args.resume, overwrite=args.overwrite,
+                  num_workers=args.num_workers, batch_size=args.batch_size,
+                  num_cpus_per_worker=args.num_cpus, num_gpus_per_worker=args.num_gpus)
+    except (DatasetError, FileExistsError) as exc:
+        print(f"lmserve batch: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
 
 def _serve(args: argparse.Namespace) -> int:
-    # Ray Serve's own CLI does the work (local cluster, deploy, logs, Ctrl-C shutdown).
-    from ray.serve.scripts import cli as serve_cli
+    """`serve run CONFIG` with a graceful drain: on SIGTERM or Ctrl-C the applications are
+    deleted first, which lets every replica finish its in-flight requests (up to its
+    `graceful_shutdown_timeout_s`) while new requests are refused, and only then is Serve shut
+    down. A second signal stops at once. (Ray's own `serve run` shuts down at once and cuts
+    open streams.)"""
+    import signal
+    import time
 
-    sys.argv = ["serve", "run", str(args.config)]
-    return serve_cli.main(standalone_mode=True) or 0
+    import ray
+    from ray import serve
+    from ray.serve._private import api as serve_private_api  # what `serve run` itself uses
+    from ray.serve.config import ProxyLocation, gRPCOptions
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(Path(args.config).read_text()))
+    ray.init(namespace="serve")
+    client = serve_private_api.serve_start(
+        http_options=config.http_options.model_dump(),
+        proxy_location=config.proxy_location or ProxyLocation.EveryNode,
+        grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
+        controller_options=config.controller_options,
+    )
+    client.deploy_apps(config, _blocking=False)
+    print(f"lmserve: deployed {args.config}; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
+
+    stop = {"signals": 0}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop["signals"] += 1
+        if stop["signals"] > 1:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        while not stop["signals"]:
+            time.sleep(0.5)
+        print("lmserve: draining in-flight requests...", file=sys.stderr)
+        for app in config.applications:
+            serve.delete(app.name, _blocking=False)
+        # Each replica waits for its own requests up to its graceful_shutdown_timeout_s.
+        deadline = time.monotonic() + float(os.environ.get("LMSERVE_DRAIN_TIMEOUT_S", 300))
+        while serve.status().applications and time.monotonic() < deadline:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("lmserve: second signal, stopping now", file=sys.stderr)
+    finally:
+        serve.shutdown()
+    return 0
 
 
 def _download(args: argparse.Namespace) -> int:
@@ -46,9 +182,48 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _render_k8s(args: argparse.Namespace) -> int:
+    from deployments.rayservice import ManifestError, render_rayservice
+
+    manifest_path = Path(args.manifest)
+    manifest = manifest_path.read_text()
+    try:
+        rendered = render_rayservice(manifest, Path(args.config).read_text())
+    except ManifestError as exc:
+        print(f"{manifest_path}: {exc}", file=sys.stderr)
+        return 2
+    if rendered == manifest:
+        print(f"{manifest_path}: serveConfigV2 is {args.config}")
+        return 0
+    if args.check:
+        print(f"{manifest_path}: serveConfigV2 differs from {args.config}; run `lmserve render-k8s`", file=sys.stderr)
+        return 1
+    manifest_path.write_text(rendered)
+    print(f"{manifest_path}: serveConfigV2 <- {args.config}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmserve", description="Serve LLMs on Ray Serve with an OpenAI-compatible API.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, func, text in (("api", _api, "serve one model from a LLaMA-Factory inference YAML (OpenAI API)"),
+                             ("chat", _chat, "chat in the terminal with an in-process engine")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("config", help="LLaMA-Factory inference YAML, e.g. model_name_or_path: smollm2")
+        p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
+        p.set_defaults(func=func)
+    p = sub.add_parser("batch", help="generate predictions for a dataset on Ray Data (alpaca/sharegpt JSON/JSONL)")
+    p.add_argument("config", help="LLaMA-Factory inference YAML")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
+    p.add_argument("--dataset", required=True, help="alpaca or sharegpt JSON/JSONL file")
+    p.add_argument("--output", default="generated_predictions.jsonl")
+    p.add_argument("--resume", action="store_true", help="continue an existing output file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument("--num-workers", type=int, default=1, help="engine actors")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per actor call")
+    p.add_argument("--num-cpus", type=float, default=1, help="CPUs per engine actor")
+    p.add_argument("--num-gpus", type=float, default=0, help="GPUs per engine actor")
+    p.set_defaults(func=_batch)
     p = sub.add_parser("serve", help="run a Ray Serve config (default serve_config.yaml)")
     p.add_argument("config", nargs="?", default=os.environ.get("LMSERVE_CONFIG", "serve_config.yaml"))
     p.set_defaults(func=_serve)
@@ -58,8 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="validate the models of a serve config")
     p.add_argument("config", nargs="?", default="serve_config.yaml")
     p.set_defaults(func=_check)
+    p = sub.add_parser("render-k8s", help="copy a serve config into a RayService manifest's serveConfigV2")
+    p.add_argument("--config", default="serve_config.yaml")
+    p.add_argument("--manifest", default="k8s/rayservice.yaml")
+    p.add_argument("--check", action="store_true", help="exit 1 if they differ, change nothing")
+    p.set_defaults(func=_render_k8s)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"lmserve: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

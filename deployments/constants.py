@@ -17,12 +17,53 @@ def _env_str(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+# How many ongoing requests (running + queued) one replica should carry, per backend: the
+# autoscaler adds replicas above it. Always explicit: Ray Serve LLM's default (1e9) means that a
+# deployment never scales.
+TARGET_ONGOING_REQUESTS: dict[str, float] = {
+    # Continuous batching: a replica's tokens/s grows with its batch while each stream slows
+    # down. Half of max_ongoing_requests (16): a replica is added well before requests queue
+    # in front of a full one (the policy's queue term covers bursts beyond that).
+    "huggingface": _env_float("LMSERVE_HF_TARGET_ONGOING_REQUESTS", 8),
+    # vLLM's scheduler batches many sequences; half of its max_ongoing_requests (64), as above.
+    "vllm": _env_float("LMSERVE_VLLM_TARGET_ONGOING_REQUESTS", 32),
+}
+
+# Autoscaling of every model deployment (Ray Serve `autoscaling_config`), unless its
+# `deployment` entry pins `num_replicas`. Ray Serve applies the bounds and delays around the
+# policy (deployments/autoscaling.py: request count plus queued requests).
+AUTOSCALING_DEFAULTS: dict = {
+    "min_replicas": _env_int("LMSERVE_MIN_REPLICAS", 1),
+    "max_replicas": _env_int("LMSERVE_MAX_REPLICAS", 4),
+    # Loading a model takes seconds to minutes, so scale up soon and down reluctantly.
+    "upscale_delay_s": _env_float("LMSERVE_UPSCALE_DELAY_S", 15),
+    "downscale_delay_s": _env_float("LMSERVE_DOWNSCALE_DELAY_S", 300),
+    "look_back_period_s": _env_float("LMSERVE_LOOK_BACK_PERIOD_S", 30),
+    "policy": {"policy_function": "deployments.autoscaling:queue_aware_policy"},
+}
+
+# `Retry-After` (seconds) of a 503 answered because a deployment's queue is full, unless the
+# deployment's `backpressure_config.retry_after_s` sets it.
+RETRY_AFTER_S = _env_float("LMSERVE_RETRY_AFTER_S", 1)
+
+# How often the ingress re-sets its gauges (seconds). Ray drops a gauge series that is not set
+# within two metrics export intervals (RAY_metrics_report_interval_ms, default 10 s, min 1 s).
+GAUGE_REFRESH_S = _env_float("LMSERVE_GAUGE_REFRESH_S", 1)
+
+
+def _autoscaling(backend: str) -> dict:
+    return {**AUTOSCALING_DEFAULTS, "target_ongoing_requests": TARGET_ONGOING_REQUESTS[backend]}
+
+
 # Per-backend default options for a model's `ModelServer` deployment; the user's `deployment`
 # entry is deep-merged over these (see deployments/app.py).
 MODEL_DEPLOYMENT_DEFAULTS: dict[str, dict] = {
     "huggingface": {
-        "num_replicas": 1,
+        "autoscaling_config": _autoscaling("huggingface"),
         "max_ongoing_requests": _env_int("LMSERVE_HF_MAX_ONGOING_REQUESTS", 16),
+        # Requests beyond this many waiting at one ingress's handle get a 503 at once
+        # (Ray Serve's back-pressure, mapped in deployments/errors.py) instead of queueing.
+        "max_queued_requests": _env_int("LMSERVE_HF_MAX_QUEUED_REQUESTS", 32),
         "ray_actor_options": {"num_cpus": _env_float("LMSERVE_HF_NUM_CPUS", 1)},
         "health_check_period_s": _env_float("LMSERVE_HEALTH_CHECK_PERIOD_S", 10),
         "health_check_timeout_s": _env_float("LMSERVE_HEALTH_CHECK_TIMEOUT_S", 30),
@@ -31,8 +72,9 @@ MODEL_DEPLOYMENT_DEFAULTS: dict[str, dict] = {
     # vLLM batches concurrent requests itself, so one replica takes many at once. Its device
     # resources (GPU bundles or CPUs) are added per model by `vllm_placement_options`.
     "vllm": {
-        "num_replicas": 1,
+        "autoscaling_config": _autoscaling("vllm"),
         "max_ongoing_requests": _env_int("LMSERVE_VLLM_MAX_ONGOING_REQUESTS", 64),
+        "max_queued_requests": _env_int("LMSERVE_VLLM_MAX_QUEUED_REQUESTS", 128),
         "health_check_period_s": _env_float("LMSERVE_HEALTH_CHECK_PERIOD_S", 10),
         "health_check_timeout_s": _env_float("LMSERVE_HEALTH_CHECK_TIMEOUT_S", 30),
         "graceful_shutdown_timeout_s": _env_float("LMSERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", 60),
@@ -56,4 +98,11 @@ INGRESS_DEPLOYMENT_DEFAULTS: dict = {
     "max_ongoing_requests": _env_int("LMSERVE_INGRESS_MAX_ONGOING_REQUESTS", 1000),
     # The ingress only parses, renders prompts and relays tokens: it reserves no CPU of its own.
     "ray_actor_options": {"num_cpus": _env_float("LMSERVE_INGRESS_NUM_CPUS", 0)},
+    # In-flight streams pass through the ingress too: on redeploy or scale-down it waits for
+    # them as long as the model servers do.
+    "graceful_shutdown_timeout_s": _env_float("LMSERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", 60),
 }
+
+# Deltas are grouped for this long before they cross from a replica to the ingress (the first
+# delta of a request goes at once). Ray Serve LLM uses 50 ms.
+STREAM_BATCHING_INTERVAL_S: float = _env_float("LMSERVE_STREAM_BATCHING_INTERVAL_MS", 50) / 1000

@@ -2,17 +2,21 @@
 
 Callers raise; they never build error JSON by hand (the pattern of vLLM's OpenAI server).
 Status codes: validation 400, bad API key 401, unknown model 404 (`param="model"`), body too
-large 413, overload/unavailable 503, not implemented 501, anything else 500.
+large 413, overload/unavailable 503 (a full model deployment: with `Retry-After`), not
+implemented 501, anything else 500.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from fastapi.exceptions import RequestValidationError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.constants import RETRY_AFTER_S
 from deployments.protocol import ErrorInfo, ErrorResponse
 from engines.base import EngineError
 
@@ -45,6 +49,26 @@ class AuthenticationError(APIError):
     code = "invalid_api_key"
 
 
+class OverloadedError(APIError):
+    """The model deployment's queue is full (Ray Serve's `max_queued_requests`): answered at once
+    with 503 (or 429 where the deployment's `backpressure_config` says so) and `Retry-After`."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = RETRY_AFTER_S, status_code: int | None = None):
+        super().__init__(message, status_code=status_code)
+        self.retry_after = math.ceil(retry_after_s)  # whole seconds, for the Retry-After header
+        if self.status_code == 429:
+            self.error_type = "rate_limit_error"
+
+    @classmethod
+    def from_backpressure(cls, exc: BackPressureError) -> "OverloadedError":
+        retry = exc.retry_after_s if exc.retry_after_s is not None else RETRY_AFTER_S
+        return cls(f"The model is overloaded, retry later ({exc.message})", retry, exc.status_code)
+
+
 class ModelNotFoundError(APIError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -53,6 +77,32 @@ class ModelNotFoundError(APIError):
     def __init__(self, model: str, available: list[str]):
         super().__init__(f"The model {model!r} does not exist. Available models: {', '.join(available)}",
                          param="model")
+
+
+class RequestTimeoutError(APIError):
+    """The request ran past its deadline (`request_timeout_s`) and was stopped."""
+
+    status_code = 504
+    error_type = "timeout"
+
+
+class ReplicaFailedError(APIError):
+    """The replica serving the request died; the client may retry."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    retry_after = 1
+
+
+def is_replica_failure(exc: BaseException) -> bool:
+    """True for errors that mean the replica (its process or actor) is gone, not that the
+    request was bad: safe to retry elsewhere if nothing was sent yet."""
+    from ray import exceptions as ray_exceptions
+
+    kinds = tuple(getattr(ray_exceptions, name) for name in (
+        "RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
+        "NodeDiedError", "OwnerDiedError") if hasattr(ray_exceptions, name))
+    return isinstance(exc, kinds)
 
 
 @dataclass
@@ -103,6 +153,8 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
 
 def to_error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
     """Map any exception to (HTTP status, OpenAI error body)."""
+    if isinstance(exc, BackPressureError):
+        exc = OverloadedError.from_backpressure(exc)
     if isinstance(exc, APIError):
         status, info = exc.status_code, ErrorInfo(message=exc.message, type=exc.error_type,
                                                   param=exc.param, code=exc.code)
@@ -117,9 +169,15 @@ def to_error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
         status = exc.status_code
         kind = "invalid_request_error" if 400 <= status < 500 else "internal_error"
         info = ErrorInfo(message=str(exc.detail), type=kind)
+    elif isinstance(exc, DeploymentUnavailableError):
+        status, info = 503, ErrorInfo(message=exc.message, type="service_unavailable")
+    elif is_replica_failure(exc):
+        status, info = 503, ErrorInfo(message="the model replica serving this request failed; retry the request",
+                                      type="service_unavailable")
     elif isinstance(exc, NotImplementedError):
         status, info = 501, ErrorInfo(message=str(exc), type="not_implemented")
     else:
         logger.exception("unhandled error", exc_info=exc)
         status, info = 500, ErrorInfo(message=f"internal error: {type(exc).__name__}", type="internal_error")
     return status, ErrorResponse(error=info)
+

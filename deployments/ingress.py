@@ -2,34 +2,51 @@
 
 Per request: parse and validate (deployments/protocol.py) -> check the API key -> resolve the
 model ID to its deployment -> render the prompt once (engines/prompt.py) -> stream deltas from a
-`ModelServer` replica over a `DeploymentHandle` -> OpenAI JSON or SSE chunks.
-The class is plain; `deployments.app.build_app` wraps it with `serve.ingress(app)` and
-`serve.deployment`.
+`ModelServer` replica over a `DeploymentHandle` -> OpenAI JSON or SSE chunks. The ingress sees
+each request's whole life, so it records lmserve's Prometheus metrics (deployments/metrics.py).
+The class is plain; `deployments.app.build_app` wraps it with `serve.ingress()` and
+`serve.deployment`. Its FastAPI app is built per replica by `create_app`, after the constructor
+(Ray Serve's `__serve_build_asgi_app__` hook), so HTTP settings (CORS, body size limit) come from
+the application's args.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator
+from functools import partial
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ray.serve.exceptions import BackPressureError
+
 from deployments.errors import (
+    APIError,
     AuthenticationError,
     BadRequestError,
     GenerationError,
     ModelNotFoundError,
+    OverloadedError,
+    RequestTimeoutError,
+    is_replica_failure,
     to_error_response,
 )
+from deployments.metrics import ingress_metrics
+from deployments.middleware import BodySizeLimitMiddleware
+from deployments.settings import IngressSettings
+from deployments.tool_calls import ToolCallStreamer, parse_tool_calls
 from deployments.protocol import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -47,31 +64,62 @@ from deployments.protocol import (
     UsageInfo,
 )
 from engines import engine_capabilities
-from engines.base import Capabilities, GenerationDelta, GenerationRequest, NotSupportedError, Usage
+from engines.base import Capabilities, GenerationDelta, GenerationRequest, NotSupportedError, TokenLogprob, Usage
 from engines.config import EngineConfig
 from engines.model_source import resolve_model_path
 from engines.prompt import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
 
-app = FastAPI(title="lmserve", description="OpenAI-compatible API for models served on Ray Serve")
+_WEBCHAT_HTML = (Path(__file__).parent / "webchat.html").read_text()
 
 
 async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
     status, body = to_error_response(exc)
-    return JSONResponse(body.model_dump(), status_code=status)
+    # labelled by the model once the handler has resolved it (`_label_request`)
+    ingress_metrics().count_error(status, *getattr(request.state, "metric_labels", ("", "")))
+    headers = {"retry-after": str(exc.retry_after)} if getattr(exc, "retry_after", None) else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-for _exc_type in (RequestValidationError, StarletteHTTPException, Exception):
-    app.add_exception_handler(_exc_type, _error_handler)
-
-
-def _api_keys_from_env() -> list[str]:
-    """`API_KEY` (LLaMA-Factory's variable); several keys may be given comma-separated."""
-    return [k.strip() for k in os.environ.get("API_KEY", "").split(",") if k.strip()]
+def create_app(ingress: "OpenAIIngress") -> FastAPI:
+    """The FastAPI app of one ingress replica: routes bound to `ingress`, OpenAI-shaped errors,
+    a request body size limit (413) and CORS for the configured origins only."""
+    app = FastAPI(title="lmserve", description="OpenAI-compatible API for models served on Ray Serve")
+    # Ray Serve adds its own plain-text handler for `BackPressureError` to this app after it is
+    # built, so `_start_stream` turns that one into an `OverloadedError` where it arises.
+    for exc_type in (RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, _error_handler)
+    app.get("/", response_class=HTMLResponse, include_in_schema=False)(ingress.webchat)
+    app.get("/health")(ingress.health)
+    app.get("/v1/models")(ingress.list_models)
+    app.get("/v1/models/{model_id:path}")(ingress.get_model)
+    app.post("/v1/chat/completions")(ingress.chat_completions)
+    app.post("/v1/completions")(ingress.completions)
+    settings = ingress.settings
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-request-id"])
+    return app
 
 
 class _ModelEntry:
+    """A public model ID: a base model, or one of its LoRA adapters (`lora_name` set) served by
+    the base model's replicas."""
+
+    lora_name: str | None = None
+    parent: str | None = None
+
+    def for_adapter(self, name: str) -> "_ModelEntry":
+        adapter = copy.copy(self)
+        adapter.model_id, adapter.lora_name, adapter.parent = f"{self.model_id}:{name}", name, self.model_id
+        return adapter
+
+    @property
+    def root(self) -> str:
+        return self.config.lora_adapters[self.lora_name] if self.lora_name else self.config.model_name_or_path
+
     def __init__(self, model_id: str, config: EngineConfig, handle: Any):
         self.model_id = model_id
         self.config = config
@@ -86,16 +134,27 @@ class OpenAIIngress:
     Args:
         models: model ID -> engine config mapping (the `EngineConfig` fields).
         handles: model ID -> `DeploymentHandle` of that model's `ModelServer`.
-        api_keys: accepted API keys; `None` reads `API_KEY` from the environment; empty = open.
+        settings: HTTP settings (`IngressSettings` fields): API keys, CORS, limits, deadline.
     """
 
-    async def __init__(self, models: dict[str, dict], handles: dict[str, Any], api_keys: list[str] | None = None):
+    async def __init__(self, models: dict[str, dict], handles: dict[str, Any], settings: dict | None = None):
+        self.settings = IngressSettings.model_validate(settings or {})
         self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), handles[mid]) for mid, cfg in models.items()}
-        self.api_keys = [k.encode() for k in (api_keys if api_keys is not None else _api_keys_from_env())]
+        self.api_keys = [k.encode() for k in self.settings.resolve_api_keys()]
         # One model at a time: transformers' lazy imports are not thread-safe on first use (two
         # renderers loading at once in a fresh process fail with "cannot import name 'AutoTokenizer'").
         for entry in self.models.values():
             await self._load_renderer(entry)
+        self.base_model_ids = list(self.models)
+        for entry in list(self.models.values()):
+            for name in entry.config.lora_adapters:
+                adapter = entry.for_adapter(name)
+                self.models[adapter.model_id] = adapter
+        self.metrics = ingress_metrics()
+        self.metrics.add_models({mid: e.config.infer_backend for mid, e in self.models.items()})
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self)
 
     @staticmethod
     async def _load_renderer(entry: _ModelEntry) -> None:
@@ -107,6 +166,11 @@ class OpenAIIngress:
         )
 
     # ---- helpers -------------------------------------------------------------------------
+
+    @staticmethod
+    def _label_request(request: Request, entry: _ModelEntry) -> None:
+        """An error answered for this request from now on is counted under this model."""
+        request.state.metric_labels = (entry.model_id, entry.config.infer_backend)
 
     def _authorize(self, request: Request) -> None:
         if not self.api_keys:
@@ -123,8 +187,8 @@ class OpenAIIngress:
 
     def _resolve_model(self, model: str | None) -> _ModelEntry:
         if model is None:
-            if len(self.models) == 1:
-                return next(iter(self.models.values()))
+            if len(self.base_model_ids) == 1:
+                return self.models[self.base_model_ids[0]]
             raise BadRequestError("`model` is required when several models are served", param="model")
         entry = self.models.get(model)
         if entry is None:
@@ -140,6 +204,10 @@ class OpenAIIngress:
             "n": req.n > 1 and not caps.n,
             "seed": req.seed is not None and not caps.seed,
         }
+        tool_choice = getattr(req, "tool_choice", None)
+        if tool_choice not in (None, "none", "auto") and not caps.response_format:
+            raise NotSupportedError(f"tool_choice={tool_choice!r} (forcing a tool call) is not supported by the "
+                                    f"{caps.backend} backend; use 'auto' or 'none'", param="tool_choice")
         for feature, wanted in wants.items():
             if wanted and not getattr(caps, feature):
                 raise NotSupportedError(f"{feature} is not supported by the {caps.backend} backend", param=feature)
@@ -149,73 +217,146 @@ class OpenAIIngress:
         # Ray Serve's proxy sets x-request-id (from the client's header when it sent one).
         return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
 
-    async def _stream(self, entry: _ModelEntry, gen_request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Deltas from the model's replica; a `GenerationError` value is raised here."""
-        async for item in entry.handle.generate.remote(gen_request):
-            if isinstance(item, GenerationError):
-                raise _GenerationFailed(item)
-            for delta in item:
-                yield delta
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self.settings.request_timeout_s
 
-    async def _start_stream(self, entry: _ModelEntry, gen_request: GenerationRequest) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
-        """Start generation and wait for its first delta, so errors found before any output
-        (context length, bad params) still get a proper status code instead of a 200 stream."""
-        stream = self._stream(entry, gen_request)
+    async def _stream(self, entry: _ModelEntry, gen_request: GenerationRequest,
+                      deadline: float, arrival: float) -> AsyncIterator[GenerationDelta]:
+        """Deltas from a replica of the model. A `GenerationError` value is raised here as
+        `_GenerationFailed`; past `deadline` (event-loop time) `RequestTimeoutError` is raised.
+        Leaving early (error, deadline, client gone) cancels the request on the replica.
+        Every delta passes here, so this is where the request's metrics are recorded (`arrival`:
+        `time.monotonic()` when the handler started)."""
+        loop = asyncio.get_running_loop()
+        tracker = self.metrics.track(entry.model_id, entry.config.infer_backend, n=gen_request.sampling_params.n,
+                                     prompt_tokens=len(gen_request.prompt_token_ids), arrival=arrival)
+        outcome = "failed"
+        response = entry.handle.generate.remote(gen_request)
         try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            return [], stream
-        except _GenerationFailed as exc:
-            raise exc.error_as_exception() from None
-        return [first], stream
+            while True:
+                try:
+                    item = await asyncio.wait_for(response.__anext__(), max(0.0, deadline - loop.time()))
+                except StopAsyncIteration:
+                    outcome = "completed"
+                    return
+                except asyncio.TimeoutError:
+                    raise RequestTimeoutError(
+                        f"request {gen_request.request_id} did not finish within "
+                        f"{self.settings.request_timeout_s:g} s and was stopped") from None
+                if isinstance(item, GenerationError):
+                    raise _GenerationFailed(item)
+                for delta in item:
+                    tracker.on_delta(delta)
+                    yield delta
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "aborted"  # the client went away (or the stream was dropped) mid-way
+            raise
+        finally:
+            response.cancel()
+            tracker.close(outcome)
+
+    async def _start_stream(self, entry: _ModelEntry, gen_request: GenerationRequest, deadline: float,
+                            arrival: float) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
+        """Start generation and wait for its first delta, so errors found before any output
+        (context length, bad params) still get a proper status code instead of a 200 stream.
+        A replica that dies before the first delta is retried once (nothing was sent yet)."""
+        for attempt in (1, 2):
+            stream = self._stream(entry, gen_request, deadline, arrival)
+            try:
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                return [], stream
+            except _GenerationFailed as exc:
+                raise exc.error_as_exception() from None
+            except BackPressureError as exc:  # the deployment's queue is full: 503 + Retry-After at once
+                raise OverloadedError.from_backpressure(exc) from None
+            except Exception as exc:
+                if attempt == 1 and is_replica_failure(exc):
+                    logger.warning("request %s: replica failed before any output (%s); retrying once",
+                                   gen_request.request_id, type(exc).__name__)
+                    continue
+                raise
+            return [first], stream
+        raise AssertionError("unreachable")
+
+    async def _generate_full(self, entry: _ModelEntry, gen_request: GenerationRequest, n: int, arrival: float):
+        """Non-streamed generation: (texts, finish reasons, stop reasons, usage) per choice.
+        Nothing reaches the client before the end, so a replica failure is retried once."""
+        deadline = self._deadline()
+        for attempt in (1, 2):
+            try:
+                first, stream = await self._start_stream(entry, gen_request, deadline, arrival)
+                return await _collect(n, first, stream)
+            except Exception as exc:
+                if attempt == 1 and is_replica_failure(exc):
+                    logger.warning("request %s: replica failed mid-generation (%s); retrying once",
+                                   gen_request.request_id, type(exc).__name__)
+                    continue
+                raise
+        raise AssertionError("unreachable")
 
     # ---- routes --------------------------------------------------------------------------
 
-    @app.get("/health")
+    async def webchat(self) -> HTMLResponse:
+        """A small web chat (model picker, streaming, system prompt, sampling settings); the
+        page itself needs no API key, its API calls send the one typed into it."""
+        return HTMLResponse(_WEBCHAT_HTML)
+
     async def health(self) -> dict[str, str]:
+        """Liveness of the ingress; needs no API key."""
         return {"status": "ok"}
 
-    @app.get("/v1/models")
     async def list_models(self, request: Request) -> ModelList:
         self._authorize(request)
-        return ModelList(data=[ModelCard(id=mid, root=e.config.model_name_or_path) for mid, e in self.models.items()])
+        return ModelList(data=[ModelCard(id=mid, root=e.root, parent=e.parent) for mid, e in self.models.items()])
 
-    @app.get("/v1/models/{model_id:path}")
     async def get_model(self, model_id: str, request: Request) -> ModelCard:
         self._authorize(request)
         entry = self._resolve_model(model_id)
-        return ModelCard(id=entry.model_id, root=entry.config.model_name_or_path)
+        return ModelCard(id=entry.model_id, root=entry.root, parent=entry.parent)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        arrival = time.monotonic()
         self._authorize(request)
         entry = self._resolve_model(body.model)
+        self._label_request(request, entry)
         self._check_capabilities(entry, body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         prompt_ids = await asyncio.to_thread(
-            entry.renderer.render_chat, messages, tools=body.tools if body.tool_choice != "none" else None,
+            entry.renderer.render_chat, messages, tools=body.tools if body.tools_enabled else None,
             **(body.chat_template_kwargs or {}),
         )
         request_id = self._request_id(request, "chatcmpl")
-        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
-        first, stream = await self._start_stream(entry, gen_request)
+        if self.settings.log_prompts:
+            logger.info("%s messages=%r", request_id, messages)
+        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name)
         created = int(time.time())
         if body.stream:
+            first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage)
-            return _sse_response(chunks, request_id, entry.capabilities.backend)
-        texts, finish, stop_reasons, usage = await _collect(body.n, first, stream)
+            chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
+                                       parse_tools=body.tools_enabled)
+            return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
+                                                 backend=entry.config.infer_backend), entry.capabilities.backend)
+        texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
+        if self.settings.log_prompts:
+            logger.info("%s completions=%r", request_id, texts)
+        choices = []
+        for i in range(body.n):
+            content, calls = parse_tool_calls(texts[i]) if body.tools_enabled else (texts[i], [])
+            choices.append(ChatCompletionChoice(
+                index=i, message=AssistantMessage(content=content, tool_calls=[c.to_openai() for c in calls] or None),
+                logprobs=chat_logprobs(logprobs[i]),
+                finish_reason="tool_calls" if calls else finish[i], stop_reason=stop_reasons[i]))
         return _json_response(ChatCompletionResponse(
-            id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
-            choices=[ChatCompletionChoice(index=i, message=AssistantMessage(content=texts[i]),
-                                          finish_reason=finish[i], stop_reason=stop_reasons[i])
-                     for i in range(body.n)],
-        ), request_id, entry.capabilities.backend)
+            id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage), choices=choices),
+            entry.capabilities.backend)
 
-    @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
+        arrival = time.monotonic()
         self._authorize(request)
         entry = self._resolve_model(body.model)
+        self._label_request(request, entry)
         self._check_capabilities(entry, body)
         for feature, used in (("echo", body.echo), ("suffix", body.suffix is not None),
                               ("best_of", (body.best_of or 1) > 1)):
@@ -229,24 +370,29 @@ class OpenAIIngress:
             prompt = prompt[0]
         prompt_ids = await asyncio.to_thread(entry.renderer.render_completion, prompt)
         request_id = self._request_id(request, "cmpl")
-        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params())
-        first, stream = await self._start_stream(entry, gen_request)
+        if self.settings.log_prompts:
+            logger.info("%s prompt=%r", request_id, prompt)
+        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name)
         created = int(time.time())
         if body.stream:
+            first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
-            return _sse_response(chunks, request_id, entry.capabilities.backend)
-        texts, finish, stop_reasons, usage = await _collect(body.n, first, stream)
+            return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
+                                                 backend=entry.config.infer_backend), entry.capabilities.backend)
+        texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
-            choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i])
+            choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i],
+                                      logprobs=completion_logprobs(logprobs[i]))
                      for i in range(body.n)],
-        ), request_id, entry.capabilities.backend)
+        ), entry.capabilities.backend)
 
     # ---- SSE -----------------------------------------------------------------------------
 
     async def _chat_chunks(self, request_id: str, created: int, model: str, n: int, first: list[GenerationDelta],
-                           stream: AsyncIterator[GenerationDelta], include_usage: bool) -> AsyncIterator[str]:
+                           stream: AsyncIterator[GenerationDelta], include_usage: bool,
+                           parse_tools: bool = False) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionChunkChoice], usage: UsageInfo | None = None) -> str:
             c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
             return _sse(c.model_dump(exclude={"usage"} if not include_usage else set()))
@@ -254,11 +400,24 @@ class OpenAIIngress:
         yield chunk([ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(n)])
         usage = None
+        streamers = [ToolCallStreamer() for _ in range(n)] if parse_tools else None
         async for delta in _chain(first, stream):
-            if delta.text or delta.finish_reason:
+            text, finish, calls = delta.text, delta.finish_reason, []
+            if streamers is not None:
+                text = streamers[delta.index].feed(text)
+                if finish:
+                    rest, calls = streamers[delta.index].finish()
+                    text += rest
+            if calls:
+                if text:
+                    yield chunk([ChatCompletionChunkChoice(index=delta.index, delta=DeltaMessage(content=text))])
                 yield chunk([ChatCompletionChunkChoice(
-                    index=delta.index, delta=DeltaMessage(content=delta.text),
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                    index=delta.index, delta=DeltaMessage(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
+                    finish_reason="tool_calls", stop_reason=delta.stop_reason)])
+            elif text or finish or delta.logprobs:
+                yield chunk([ChatCompletionChunkChoice(
+                    index=delta.index, delta=DeltaMessage(content=text), logprobs=chat_logprobs(delta.logprobs),
+                    finish_reason=finish, stop_reason=delta.stop_reason)])
             usage = delta.usage or usage
         if include_usage and usage is not None:
             yield chunk([], _usage_info(usage))
@@ -266,10 +425,14 @@ class OpenAIIngress:
     async def _completion_chunks(self, request_id: str, created: int, model: str, first: list[GenerationDelta],
                                  stream: AsyncIterator[GenerationDelta], include_usage: bool) -> AsyncIterator[str]:
         usage = None
+        offsets: dict[int, int] = {}
         async for delta in _chain(first, stream):
-            if delta.text or delta.finish_reason:
+            if delta.text or delta.finish_reason or delta.logprobs:
+                logprobs = completion_logprobs(delta.logprobs, offsets.get(delta.index, 0))
+                offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
                 c = CompletionResponse(id=request_id, created=created, model=model, choices=[CompletionChoice(
-                    index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+                    index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                    logprobs=logprobs)])
                 yield _sse(c.model_dump(exclude={"usage"} if not include_usage else set()))
             usage = delta.usage or usage
         if include_usage and usage is not None:
@@ -282,9 +445,7 @@ class _GenerationFailed(Exception):
         super().__init__(error.message)
         self.error = error
 
-    def error_as_exception(self) -> BadRequestError:
-        from deployments.errors import APIError
-
+    def error_as_exception(self) -> APIError:
         err = APIError(self.error.message, param=self.error.param, status_code=self.error.status_code)
         err.error_type = self.error.error_type
         return err
@@ -298,19 +459,48 @@ async def _chain(first: list[GenerationDelta], stream: AsyncIterator[GenerationD
 
 
 async def _collect(n: int, first: list[GenerationDelta], stream: AsyncIterator[GenerationDelta]):
+    """All deltas of a non-streamed request: per choice its text, finish reason, stop reason
+    and token logprobs (None when not asked for), plus the usage."""
     texts = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     stop_reasons: list[str | int | None] = [None] * n
+    logprobs: list[list[TokenLogprob] | None] = [None] * n
     usage: Usage | None = None
     try:
         async for delta in _chain(first, stream):
             texts[delta.index].append(delta.text)
+            if delta.logprobs:
+                logprobs[delta.index] = (logprobs[delta.index] or []) + delta.logprobs
             if delta.finish_reason:
                 finish[delta.index], stop_reasons[delta.index] = delta.finish_reason, delta.stop_reason
             usage = delta.usage or usage
     except _GenerationFailed as exc:
         raise exc.error_as_exception() from None
-    return ["".join(t) for t in texts], finish, stop_reasons, usage
+    return ["".join(t) for t in texts], finish, stop_reasons, usage, logprobs
+
+
+def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
+    """OpenAI chat `logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`."""
+    if tokens is None:
+        return None
+
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**item(t.token, t.logprob),
+                         "top_logprobs": [item(a.token, a.logprob) for a in t.top_logprobs]} for t in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+    """OpenAI completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    if tokens is None:
+        return None
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t.token)
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in tokens], "text_offset": offsets}
 
 
 def _usage_info(usage: Usage | None) -> UsageInfo:
@@ -324,27 +514,30 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _headers(request_id: str, backend: str) -> dict[str, str]:
-    # x-lmserve-backend tells clients (and tests) which inference backend answered.
-    return {"x-request-id": request_id, "x-lmserve-backend": backend}
+def _headers(backend: str) -> dict[str, str]:
+    # x-lmserve-backend tells clients (and tests) which inference backend answered. Ray Serve's
+    # proxy adds the request's ID as `x-request-id`.
+    return {"x-lmserve-backend": backend}
 
 
-def _sse_response(chunks: AsyncIterator[str], request_id: str, backend: str) -> StreamingResponse:
+def _sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None], backend: str) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for text in chunks:
                 yield text
         except _GenerationFailed as exc:
-            _, err = to_error_response(exc.error)
+            status, err = to_error_response(exc.error)
+            count_error(status)
             yield _sse(err.model_dump())
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            _, err = to_error_response(exc)
+            status, err = to_error_response(exc)
+            count_error(status)
             yield _sse(err.model_dump())
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={**_headers(request_id, backend), "cache-control": "no-cache"})
+                             headers={**_headers(backend), "cache-control": "no-cache"})
 
 
-def _json_response(model: Any, request_id: str, backend: str) -> JSONResponse:
-    return JSONResponse(model.model_dump(), headers=_headers(request_id, backend))
+def _json_response(model: Any, backend: str) -> JSONResponse:
+    return JSONResponse(model.model_dump(), headers=_headers(backend))

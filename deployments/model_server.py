@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 from typing import AsyncIterator
 
+from deployments.constants import STREAM_BATCHING_INTERVAL_S
 from deployments.errors import GenerationError
+from deployments.stream_batching import batch_stream
 from engines import create_engine
 from engines.base import GenerationDelta, GenerationRequest, ModelInfo
 from engines.config import EngineConfig
@@ -35,13 +37,19 @@ class ModelServer:
         logger.info("model %r ready on backend %s", model_id, self.config.infer_backend)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[GenerationDelta] | GenerationError]:
-        """Stream deltas in small lists; an engine error is yielded as a `GenerationError` value
-        (so its status and message reach the ingress intact) and ends the stream."""
+        """Stream deltas in lists grouped for `STREAM_BATCHING_INTERVAL_S` (the first at once);
+        an engine error is yielded as a `GenerationError` value (so its status and message reach
+        the ingress intact) and ends the stream. Cancellation (client gone) closes the engine's
+        generator, which stops the request in the engine."""
         try:
-            async for delta in self.engine.generate(request):
-                yield [delta]
+            async for deltas in batch_stream(self.engine.generate(request), STREAM_BATCHING_INTERVAL_S):
+                yield deltas
         except Exception as exc:  # noqa: BLE001 - every error travels to the ingress as a value
             yield GenerationError.from_exception(exc)
+
+    async def engine_stats(self) -> dict[str, int]:
+        """`{"running": requests generating, "waiting": requests queued in the engine}`."""
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting}
 
     async def model_info(self) -> ModelInfo:
         return self.engine.model_info()

@@ -150,8 +150,13 @@ class SamplingFields(OpenAIBaseModel):
             ignore_eos=self.ignore_eos,
             n=self.n,
             seed=self.seed,
+            logprobs=self.num_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
         )
+
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; k: the chosen token's log-probability plus the top k."""
+        return None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -169,6 +174,26 @@ class ChatCompletionRequest(SamplingFields):
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
+    @property
+    def tools_enabled(self) -> bool:
+        """Tools are rendered into the prompt and parsed out of the output."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> "ChatCompletionRequest":
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        return self
+
 
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions` (legacy text completions)."""
@@ -178,6 +203,9 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -213,12 +241,13 @@ class ModelList(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -235,12 +264,13 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -257,7 +287,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

@@ -74,7 +74,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     seed: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus top k
     skip_special_tokens: bool = True
 
     @property
@@ -235,3 +235,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def model_info(self) -> ModelInfo:
         """Facts about the loaded model; valid after `start`."""
+
+    @property
+    def num_running(self) -> int:
+        """Requests being generated now (backends override)."""
+        return 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted but waiting for room in the engine (backends override)."""
+        return 0

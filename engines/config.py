@@ -10,6 +10,7 @@ non-default value logs a warning instead of being silently dropped. Unknown fiel
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -122,6 +123,12 @@ class EngineConfig(BaseModel):
     enable_thinking: bool | None = True
     preserve_thinking: bool = False
 
+    # lmserve: continuous batching on the huggingface backend (LLaMA-Factory serves one at a time).
+    hf_max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together per replica.")
+    hf_max_batch_tokens: int = Field(
+        65536, ge=1, description="Most tokens (prompt + max new tokens, per sequence) reserved by the "
+        "running batch; bounds KV cache memory. Requests beyond either limit wait in the replica.")
+
     # --- vLLM (LLaMA-Factory VllmArguments) ---
     vllm_maxlen: int = Field(4096, gt=0)
     vllm_gpu_util: float = Field(0.7, gt=0, le=1)
@@ -195,6 +202,22 @@ class EngineConfig(BaseModel):
             return [part.strip() for part in value.split(",") if part.strip()]
         return list(value)
 
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """Adapter name -> path for every adapter in `adapter_name_or_path`.
+
+        The name is the path's last component (`saves/llama3-8b/lora/sft` -> `sft`), made
+        unique with a numeric suffix; clients select it with model ID `<model_id>:<name>`.
+        """
+        names: dict[str, str] = {}
+        for path in self.adapters:
+            base = re.sub(r"[^A-Za-z0-9_.-]", "_", path.rstrip("/").split("/")[-1]) or "adapter"
+            name, k = base, 2
+            while name in names:
+                name, k = f"{base}-{k}", k + 1
+            names[name] = path
+        return names
+
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str | None = None) -> "EngineConfig":
         """Validate a mapping (a YAML model entry) into an `EngineConfig`.
@@ -212,6 +235,43 @@ class EngineConfig(BaseModel):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`["key=value", ...]` -> `{key: value}`, values parsed as YAML scalars (LLaMA-Factory's
+    command-line overrides: `infer_backend=vllm vllm_enforce_eager=true`).
+
+    Raises:
+        ConfigError: an item without `=`, naming it.
+    """
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+    return out
+
+
+def load_config_file(path: str, overrides: list[str] | None = None) -> EngineConfig:
+    """Load a LLaMA-Factory inference YAML (or JSON) file, apply `key=value` overrides, validate.
+
+    Raises:
+        ConfigError: unreadable file, not a mapping, or a bad field, naming the file and field.
+    """
+    import yaml
+
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    data.update(parse_overrides(overrides or []))
+    return EngineConfig.from_dict(data, source=path)
 
 
 def format_validation_error(exc: ValidationError, source: str | None = None) -> str:

@@ -1,10 +1,11 @@
-"""The `huggingface` backend: transformers models driven by lmserve's own decode loop.
+"""The `huggingface` backend: transformers models with lmserve's own continuous batching.
 
-The model runs in one worker thread; every request advances by one step (prefill, then one
-token per choice per decode step) per turn on that thread, so concurrent requests interleave at
-token granularity and each keeps its own KV cache, sampler and random generator. Stop strings,
-stop token ids, `n`, `seed`, penalties and exact usage are handled here rather than by
-`model.generate`, which ignores some of them (LLaMA-Factory's HF engine drops `stop`).
+Concurrent requests share forward passes (engines/continuous_batching.py: one worker thread,
+new requests join between decode steps, each with its own sampling params and random
+generator). This module is the asyncio side: validation, detokenization, stop strings and
+deltas. Stop strings, stop token ids, `n`, `seed`, penalties and exact usage are handled here
+rather than by `model.generate`, which ignores some of them (LLaMA-Factory's HF engine drops
+`stop` and serves one request at a time).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -27,9 +27,11 @@ from engines.base import (
     ModelInfo,
     ModelLoadError,
     SamplingParams,
+    TokenLogprob,
     Usage,
 )
 from engines.config import EngineConfig
+from engines.continuous_batching import BatchRequest, ContinuousBatcher
 from engines.model_source import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0
     reported_tokens: int = 0
+    pending_logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -82,8 +85,6 @@ class _RequestState:
     max_tokens: int
     eos_ids: set[int]
     generator: Any
-    input_ids: Any = None  # (n, prompt_len + generated) long tensor
-    cache: Any = None
     choices: list[_Choice] = field(default_factory=list)
 
 
@@ -94,11 +95,11 @@ class HuggingFaceEngine(Engine):
         config: the model's `EngineConfig` (`infer_backend: huggingface`).
     """
 
-    capabilities = Capabilities(backend="huggingface", logprobs=False, lora=False, response_format=False)
+    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False)
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._batcher: ContinuousBatcher | None = None
         self._model: Any = None
         self._tokenizer: Any = None
         self._info: ModelInfo | None = None
@@ -109,7 +110,11 @@ class HuggingFaceEngine(Engine):
 
     async def start(self) -> None:
         self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._load)
+        await asyncio.to_thread(self._load)
+        self._batcher = ContinuousBatcher(self._model, max_num_seqs=self.config.hf_max_num_seqs,
+                                          max_batch_tokens=self.config.hf_max_batch_tokens,
+                                          use_kv_cache=self.config.use_kv_cache)
+        self._batcher.start()
 
     def _load(self) -> None:
         import torch
@@ -125,8 +130,7 @@ class HuggingFaceEngine(Engine):
                                                          trust_remote_code=self.config.trust_remote_code)
         except Exception as exc:
             raise ModelLoadError(f"could not load model from {path!r}: {type(exc).__name__}: {exc}") from exc
-        if self.config.adapters:
-            raise ModelLoadError("adapter_name_or_path is not supported on the huggingface backend yet")
+        model = self._load_adapters(model)
         self._model = model.to(device).eval()
         try:
             gen_config = GenerationConfig.from_pretrained(path)
@@ -140,20 +144,51 @@ class HuggingFaceEngine(Engine):
                                device=device)
         logger.info("loaded %s on %s as %s", path, device, dtype)
 
+    def _load_adapters(self, model: Any) -> Any:
+        """Wrap `model` with every LoRA adapter (peft), each under its own name; a batch can then
+        mix adapters row by row (peft's `adapter_names`), and rows without one use the base."""
+        adapters = self.config.lora_adapters
+        if not adapters:
+            return model
+        from peft import PeftModel
+
+        for i, (name, path) in enumerate(adapters.items()):
+            try:
+                if i == 0:
+                    model = PeftModel.from_pretrained(model, path, adapter_name=name)
+                else:
+                    model.load_adapter(path, adapter_name=name)
+            except Exception as exc:
+                raise ModelLoadError(f"could not load LoRA adapter {name!r} from {path!r}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+        logger.info("loaded LoRA adapters %s", list(adapters))
+        return model
+
     def model_info(self) -> ModelInfo:
         if self._info is None:
             raise EngineUnavailableError("engine not started")
         return self._info
 
     async def check_health(self) -> None:
-        if self._model is None:
+        if self._model is None or self._batcher is None:
             raise EngineUnavailableError("huggingface engine: model not loaded")
-        if self._executor._shutdown:  # noqa: SLF001 - no public flag on ThreadPoolExecutor
-            raise EngineUnavailableError("huggingface engine: shut down")
+        if not self._batcher.alive:
+            raise EngineUnavailableError("huggingface engine: batching thread is not running")
 
     async def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._batcher is not None:
+            await asyncio.to_thread(self._batcher.stop)
         self._model = None
+
+    @property
+    def num_running(self) -> int:
+        """Requests currently in the batch."""
+        return self._batcher.num_running if self._batcher else 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued in this replica, waiting for room in the batch."""
+        return self._batcher.num_waiting if self._batcher else 0
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -161,22 +196,43 @@ class HuggingFaceEngine(Engine):
         await self.check_health()
         state = self._new_state(request)
         loop = asyncio.get_running_loop()
-        new_tokens = await loop.run_in_executor(self._executor, self._prefill, state)
-        while True:
-            deltas = [d for d in (self._advance(state, c, t) for c, t in zip(state.choices, new_tokens)) if d]
-            done = all(c.finish_reason for c in state.choices)
-            if done:
-                completion = sum(len(c.token_ids) for c in state.choices)
-                usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=completion)
-                if deltas:
-                    deltas[-1].usage = usage
-                else:
-                    deltas.append(GenerationDelta(index=state.choices[-1].index, usage=usage))
-            for delta in deltas:
-                yield delta
-            if done:
-                return
-            new_tokens = await loop.run_in_executor(self._executor, self._decode, state)
+        events: asyncio.Queue = asyncio.Queue()
+        batch_request = BatchRequest(
+            request_id=request.request_id, prompt_ids=state.prompt_ids, params=state.params,
+            max_tokens=state.max_tokens, eos_ids=state.eos_ids, generator=state.generator,
+            lora_name=request.lora_name,
+            emit=lambda items: loop.call_soon_threadsafe(events.put_nowait, items),
+        )
+        self._batcher.submit(batch_request)
+        try:
+            while True:
+                items = await events.get()
+                if isinstance(items, BaseException):
+                    raise EngineUnavailableError(f"huggingface engine failed: {type(items).__name__}: {items}")
+                deltas = []
+                for index, token, finish, stop_reason, logprobs in items:
+                    choice = state.choices[index]
+                    if logprobs is not None:
+                        choice.pending_logprobs.append(self._token_logprob(token, logprobs))
+                    delta = self._advance(state, choice, token, finish, stop_reason)
+                    if choice.finish_reason and not finish:  # a stop string ended it here
+                        self._batcher.finish_choice(batch_request, index)
+                    if delta:
+                        deltas.append(delta)
+                done = all(c.finish_reason for c in state.choices)
+                if done:
+                    completion = sum(len(c.token_ids) for c in state.choices)
+                    usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=completion)
+                    if deltas:
+                        deltas[-1].usage = usage
+                    else:
+                        deltas.append(GenerationDelta(index=state.choices[-1].index, usage=usage))
+                for delta in deltas:
+                    yield delta
+                if done:
+                    return
+        finally:
+            self._batcher.cancel(batch_request)
 
     def _new_state(self, request: GenerationRequest) -> _RequestState:
         import torch
@@ -203,9 +259,12 @@ class HuggingFaceEngine(Engine):
             max_tokens = params.max_tokens
         else:
             max_tokens = min(cfg.max_new_tokens, max_len - prompt_len)
+        if request.lora_name is not None and request.lora_name not in self.config.lora_adapters:
+            raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
+                                      f"{sorted(self.config.lora_adapters)}", param="model")
         vocab = len(self._tokenizer)
         for tid in params.stop_token_ids:
-            if not 0 <= tid < max(vocab, self._model.config.vocab_size):
+            if not 0 <= tid < max(vocab, self._model.get_output_embeddings().weight.shape[0]):
                 raise InvalidRequestError(f"stop_token_ids: {tid} is not a token id of this model",
                                           param="stop_token_ids")
         generator = torch.Generator(device=self._model.device)
@@ -216,79 +275,17 @@ class HuggingFaceEngine(Engine):
             choices=[_Choice(index=i) for i in range(params.n)],
         )
 
-    # These two run on the worker thread.
-    def _prefill(self, state: _RequestState) -> list[int]:
-        import torch
-
-        with torch.inference_mode():
-            ids = torch.tensor([state.prompt_ids], dtype=torch.long, device=self._model.device)
-            if self.config.use_kv_cache:
-                out = self._model(input_ids=ids, use_cache=True)
-                state.cache = out.past_key_values
-                if state.params.n > 1:
-                    state.cache.batch_repeat_interleave(state.params.n)
-            else:
-                out = self._model(input_ids=ids, use_cache=False)
-            state.input_ids = ids.expand(state.params.n, -1).contiguous()
-            logits = out.logits[:, -1, :].float().expand(state.params.n, -1)
-            return self._sample(state, logits)
-
-    def _decode(self, state: _RequestState) -> list[int]:
-        import torch
-
-        with torch.inference_mode():
-            if self.config.use_kv_cache:
-                out = self._model(input_ids=state.input_ids[:, -1:], past_key_values=state.cache,
-                                  use_cache=True)
-                state.cache = out.past_key_values
-            else:
-                out = self._model(input_ids=state.input_ids, use_cache=False)
-            return self._sample(state, out.logits[:, -1, :].float())
-
-    def _sample(self, state: _RequestState, logits: Any) -> list[int]:
-        """Pick the next token for each choice; logits shape `[n, vocab]` (float32)."""
-        import torch
-        from transformers.generation.logits_process import (
-            MinPLogitsWarper,
-            RepetitionPenaltyLogitsProcessor,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        p = state.params
-        scores = logits.clone()
-        if p.repetition_penalty and p.repetition_penalty != 1.0:
-            scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(state.input_ids, scores)
-        prompt_len = len(state.prompt_ids)
-        if (p.presence_penalty or p.frequency_penalty) and state.input_ids.shape[1] > prompt_len:
-            # OpenAI semantics: penalise tokens by their count in the completion so far.
-            generated = state.input_ids[:, prompt_len:]
-            counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
-            scores -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
-        if p.greedy:
-            next_tokens = scores.argmax(dim=-1)
-        else:
-            scores = TemperatureLogitsWarper(p.temperature)(state.input_ids, scores)
-            if p.top_k and p.top_k > 0:
-                scores = TopKLogitsWarper(p.top_k)(state.input_ids, scores)
-            if p.top_p is not None and p.top_p < 1.0:
-                scores = TopPLogitsWarper(p.top_p)(state.input_ids, scores)
-            if p.min_p and p.min_p > 0:
-                scores = MinPLogitsWarper(p.min_p)(state.input_ids, scores)
-            probs = torch.softmax(scores, dim=-1)
-            next_tokens = torch.multinomial(probs, 1, generator=state.generator).squeeze(-1)
-        state.input_ids = torch.cat([state.input_ids, next_tokens[:, None]], dim=-1)
-        return next_tokens.tolist()
-
     # Runs on the event loop: detokenize, apply stop conditions, build the delta for one choice.
-    def _advance(self, state: _RequestState, choice: _Choice, token: int) -> GenerationDelta | None:
+    def _advance(self, state: _RequestState, choice: _Choice, token: int, finish: str | None,
+                 stop_reason: str | int | None) -> GenerationDelta | None:
+        """Detokenize one new token of a choice and apply stop strings; `finish` is the worker's
+        verdict (end-of-turn or stop token -> "stop", max tokens -> "length")."""
         if choice.finish_reason:
             return None
         p = state.params
         choice.token_ids.append(token)
-        if token in p.stop_token_ids or token in state.eos_ids:
-            choice.finish_reason, choice.stop_reason = "stop", (token if token in p.stop_token_ids else None)
+        if finish == "stop":  # an end-of-turn or stop token: its text is not part of the output
+            choice.finish_reason, choice.stop_reason = "stop", stop_reason
             text = self._decode_text(choice.token_ids[:-1], p)
             return self._delta(choice, text[choice.emitted_chars:], len(text))
         text = self._decode_text(choice.token_ids, p)
@@ -299,7 +296,7 @@ class HuggingFaceEngine(Engine):
                 pos, stop = min(hits)
                 choice.finish_reason, choice.stop_reason = "stop", stop
                 return self._delta(choice, text[choice.emitted_chars:pos], pos)
-        if len(choice.token_ids) >= state.max_tokens:
+        if finish == "length":
             choice.finish_reason = "length"
             return self._delta(choice, text[choice.emitted_chars:], len(text))
         # Hold back an incomplete UTF-8 sequence and anything that could start a stop string.
@@ -314,8 +311,15 @@ class HuggingFaceEngine(Engine):
         num_tokens = len(choice.token_ids) - choice.reported_tokens
         choice.reported_tokens = len(choice.token_ids)
         choice.emitted_chars = max(choice.emitted_chars, emitted_to)
-        return GenerationDelta(index=choice.index, text=text, num_tokens=num_tokens,
+        logprobs, choice.pending_logprobs = choice.pending_logprobs or None, []
+        return GenerationDelta(index=choice.index, text=text, num_tokens=num_tokens, logprobs=logprobs,
                                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+
+    def _token_logprob(self, token: int, logprobs: tuple) -> TokenLogprob:
+        logprob, top = logprobs
+        decode = self._tokenizer.decode
+        return TokenLogprob(token_id=token, token=decode([token]), logprob=logprob,
+                            top_logprobs=[TokenLogprob(t, decode([t]), lp) for t, lp in top])
 
     def _decode_text(self, token_ids: list[int], params: SamplingParams) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)

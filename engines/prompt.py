@@ -125,4 +125,19 @@ class PromptRenderer:
             out["content"] = "".join(texts)
         elif content is None:
             out["content"] = ""
+        if message.get("tool_calls"):
+            # Chat templates expect arguments as a mapping; the API carries them as JSON text.
+            out["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
         return out
+
+
+def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    import json
+
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": function}

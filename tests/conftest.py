@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 
 TEST_API_KEY = "lmserve-test-key"
+ALLOWED_ORIGIN = "http://allowed.example"
+MAX_BODY_BYTES = 256 * 1024
+REQUEST_TIMEOUT_S = 15.0
 
 
 async def collect(engine, request) -> list:
@@ -30,6 +33,27 @@ def model_dir():
     from engines.model_source import ensure_embedded_model
 
     return ensure_embedded_model()
+
+
+@pytest.fixture(scope="session")
+def lora_dir(model_dir, tmp_path_factory):
+    """A small LoRA adapter for the default model, made with peft (fixed seed, weights scaled up
+    so that it visibly changes greedy output). Its directory name, `sft-lora`, is its name."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(40)
+    out = tmp_path_factory.mktemp("adapters") / "sft-lora"
+    peft_model.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -56,24 +80,53 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Ray exports metrics every 2 s instead of 10 s, and Ray Serve's handles and replicas report
+# their load to the autoscaler every 2 s instead of 10 s: tests that scrape or scale wait less.
+TEST_RAY_ENV = {
+    "RAY_metrics_report_interval_ms": "2000",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
+}
+METRICS_EXPORT_INTERVAL_S = 2
+
+
 @pytest.fixture(scope="session")
-def serve_url(model_dir):
+def metrics_port() -> int:
+    return _free_port()
+
+
+@pytest.fixture(scope="session")
+def metrics_url(serve_url, metrics_port) -> str:
+    """Ray's Prometheus endpoint on the session's local cluster."""
+    return f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+@pytest.fixture(scope="session")
+def serve_url(model_dir, lora_dir, metrics_port):
     """A local Ray cluster with the lmserve app (default model, API key required) deployed.
 
-    Yields the base URL, e.g. http://127.0.0.1:PORT.
+    Yields the base URL, e.g. http://127.0.0.1:PORT. Ray's Prometheus endpoint is on
+    `metrics_port`. The model deployment autoscales between 1 and 1 replica: the autoscaler
+    runs (and reports its metrics) but leaves the 2 CPUs' second half to other tests' apps.
     """
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
+    for key, value in TEST_RAY_ENV.items():
+        os.environ.setdefault(key, value)
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({
-        "models": [{"model_id": "smollm2", "model_name_or_path": "smollm2",
-                    "deployment": {"ray_actor_options": {"num_cpus": 1}}}],
+        "models": [{"model_id": "smollm2", "model_name_or_path": "smollm2", "adapter_name_or_path": str(lora_dir),
+                    "deployment": {"ray_actor_options": {"num_cpus": 1},
+                                   "autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}}],
         "api_keys": [TEST_API_KEY],
+        "cors_allow_origins": [ALLOWED_ORIGIN],
+        "max_request_body_bytes": MAX_BODY_BYTES,
+        "request_timeout_s": REQUEST_TIMEOUT_S,
     })
     serve.run(app, name="lmserve", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -86,3 +139,30 @@ def client(serve_url):
     import openai
 
     return openai.OpenAI(base_url=serve_url + "/v1", api_key=TEST_API_KEY, max_retries=0, timeout=120)
+
+
+def scrape_metrics(url: str, prefix: str = "ray_lmserve_") -> dict[tuple, float]:
+    """Ray's Prometheus text at `url`, parsed with prometheus_client: samples whose name starts
+    with `prefix`, summed over Ray's own labels (WorkerId, NodeAddress, ...), keyed by
+    `(sample name, ((label, value), ...))` with only lmserve's labels."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    keep = {"model_id", "backend", "finish_reason", "status", "le"}
+    out: dict[tuple, float] = {}
+    text = httpx.get(url, timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                key = (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k in keep)))
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def metric_names(url: str) -> set[str]:
+    """Every sample name on Ray's Prometheus endpoint at `url`."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=30).text
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}

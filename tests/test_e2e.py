@@ -13,8 +13,21 @@ pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_models_lists_the_configured_model(client):
-    assert [m.id for m in client.models.list().data] == ["smollm2"]
+def test_models_lists_the_configured_model_and_its_adapter(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2", "smollm2:sft-lora"]
+    assert client.models.retrieve("smollm2:sft-lora").parent == "smollm2"
+
+
+def test_lora_adapter_is_its_own_model_id(client):
+    def greedy(model):
+        resp = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
+        return resp.choices[0].message.content, resp.model
+
+    base, base_id = greedy("smollm2")
+    tuned, tuned_id = greedy("smollm2:sft-lora")
+    assert "Paris" in base and base_id == "smollm2"
+    assert tuned != base and tuned_id == "smollm2:sft-lora"
+    assert greedy("smollm2") == (base, base_id)  # the base model is unchanged by the adapter
 
 
 def test_chat_answers_paris(client):
@@ -114,3 +127,62 @@ def test_api_key_required(serve_url):
 
 def test_server_still_healthy_after_errors(client):
     test_chat_answers_paris(client)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_are_accepted_and_plain_answers_stay_content(client):
+    resp = client.chat.completions.create(model="smollm2", messages=QUESTION, tools=[WEATHER_TOOL], temperature=0,
+                                          max_tokens=24)
+    choice = resp.choices[0]
+    assert "Paris" in choice.message.content and choice.message.tool_calls is None
+    assert choice.finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="smollm2", messages=QUESTION, tools=[WEATHER_TOOL],
+                                                 temperature=0, max_tokens=24, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+
+
+def test_tool_history_is_rendered(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"}]
+    resp = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER_TOOL], max_tokens=8)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_forced_tool_choice_is_refused_by_name(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2", messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required")
+    assert info.value.body["param"] == "tool_choice" and "huggingface" in info.value.body["message"]
+
+
+def test_chat_logprobs(client):
+    resp = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=6,
+                                          logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    assert "".join(t.token for t in content).startswith(resp.choices[0].message.content[:10])
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert t.top_logprobs[0].token == t.token and abs(t.top_logprobs[0].logprob - t.logprob) < 1e-4
+    chunks = list(client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=6,
+                                                 logprobs=True, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="smollm2", messages=QUESTION, top_logprobs=2)
+
+
+def test_completion_logprobs(client):
+    resp = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4,
+                                     temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs)

@@ -123,5 +123,104 @@ def test_closing_the_stream_stops_generation(hf_engine, renderer):
         return got
 
     assert len(run(first_two())) == 2
+    # the request left the batch: nothing runs, no further steps are taken
+    import time
+    deadline = time.monotonic() + 5
+    while hf_engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hf_engine.num_running == 0 and hf_engine.num_waiting == 0
+    steps = hf_engine._batcher.steps
+    time.sleep(0.3)
+    assert hf_engine._batcher.steps <= steps + 1
     # the engine is free again: a new request completes normally
     assert "Paris" in text_of(generate(hf_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=16))
+
+
+def test_concurrent_requests_share_forward_passes(hf_engine, renderer):
+    """Continuous batching: 4 concurrent 20-token requests take about 20 steps, not 80."""
+    ids = [renderer.render_chat([{"role": "user", "content": f"Tell me about the number {k}."}]) for k in range(4)]
+
+    async def together():
+        reqs = [GenerationRequest(f"b{k}", i, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+                for k, i in enumerate(ids)]
+        return await asyncio.gather(*(collect(hf_engine, r) for r in reqs))
+
+    before = hf_engine._batcher.steps
+    results = run(together())
+    assert all(d[-1].usage.completion_tokens == 20 for d in results)
+    assert hf_engine._batcher.steps - before < 2 * 20
+
+
+def test_mixed_sampling_params_in_one_batch(hf_engine, renderer):
+    """A greedy request batched with sampled, penalised ones still gets its own greedy answer."""
+    ids = renderer.render_chat(QUESTION)
+    alone = text_of(generate(hf_engine, ids, temperature=0, max_tokens=24))
+
+    async def together():
+        reqs = [GenerationRequest("g", ids, SamplingParams(temperature=0, max_tokens=24)),
+                GenerationRequest("s", ids, SamplingParams(temperature=1.2, top_k=20, top_p=0.9, max_tokens=24,
+                                                           presence_penalty=1.0, repetition_penalty=1.3, n=2)),
+                GenerationRequest("m", ids, SamplingParams(temperature=0.8, min_p=0.1, max_tokens=24,
+                                                           frequency_penalty=0.5))]
+        return await asyncio.gather(*(collect(hf_engine, r) for r in reqs))
+
+    greedy, sampled, min_p = run(together())
+    assert text_of(greedy) == alone
+    assert {d.index for d in sampled} == {0, 1}
+    assert finish_of(min_p)
+
+
+def test_batch_limit_queues_requests(model_dir, renderer):
+    """With room for 2 sequences, 4 requests wait their turn and all complete correctly."""
+    from engines.config import EngineConfig
+    from engines.huggingface import HuggingFaceEngine
+
+    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), hf_max_num_seqs=2))
+    run(engine.start())
+    try:
+        ids = renderer.render_chat(QUESTION)
+        seen_waiting = []
+
+        async def together():
+            reqs = [GenerationRequest(f"q{k}", ids, SamplingParams(temperature=0, max_tokens=16)) for k in range(4)]
+            tasks = [asyncio.ensure_future(collect(engine, r)) for r in reqs]
+            while not all(t.done() for t in tasks):
+                seen_waiting.append(engine.num_waiting)
+                assert engine.num_running <= 2
+                await asyncio.sleep(0.005)
+            return [t.result() for t in tasks]
+
+        texts = {text_of(d) for d in run(together())}
+        assert len(texts) == 1 and "Paris" in texts.pop()
+        assert max(seen_waiting) >= 1
+    finally:
+        run(engine.shutdown())
+
+
+def test_lora_adapters_mix_in_one_batch(model_dir, lora_dir, renderer, hf_engine):
+    """An engine with a LoRA adapter: requests naming it differ from the base; base requests are
+    unchanged; both kinds batched together give the same answers as alone."""
+    from engines.config import EngineConfig
+    from engines.huggingface import HuggingFaceEngine
+
+    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), adapter_name_or_path=str(lora_dir)))
+    run(engine.start())
+    try:
+        ids = renderer.render_chat(QUESTION)
+        base_alone = text_of(generate(hf_engine, ids, temperature=0, max_tokens=16))
+
+        def one(lora):
+            return GenerationRequest("l", ids, SamplingParams(temperature=0, max_tokens=16), lora_name=lora)
+
+        base = text_of(run(collect(engine, one(None))))
+        tuned = text_of(run(collect(engine, one("sft-lora"))))
+        assert base == base_alone and tuned != base
+
+        async def together():
+            return await asyncio.gather(collect(engine, one(None)), collect(engine, one("sft-lora")))
+
+        assert [text_of(d) for d in run(together())] == [base, tuned]
+        with pytest.raises(InvalidRequestError, match="unknown LoRA adapter"):
+            run(collect(engine, one("nope")))
+    finally:
+        run(engine.shutdown())

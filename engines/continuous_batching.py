@@ -1,0 +1,385 @@
+"""Continuous batching for transformers causal LMs: one worker thread, one shared forward pass.
+
+Every running sequence (one per choice of each request) is a row of one left-padded batch whose
+KV cache is a transformers `DynamicCache`. Each scheduler step:
+
+1. drops rows whose request finished or was cancelled (they leave the batch at once) and trims
+   leading columns that only hold padding;
+2. admits waiting requests while the batch stays within `max_num_seqs` rows and
+   `max_batch_tokens` reserved tokens (prompt + max new tokens per row); their prompts are
+   prefilled together (left-padded) and their rows are merged into the batch;
+3. decodes one token for every row in a single forward pass, with per-row positions and an
+   attention mask that hides the padding, then samples each row with its own parameters and
+   random generator.
+
+New requests thus join between decode steps, as in vLLM's scheduler; each request still gets
+its tokens as they are produced through its `emit` callback. Sampling follows transformers'
+logits processors (repetition penalty, temperature, top-k, top-p, min-p) plus OpenAI's presence
+and frequency penalties.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from engines.base import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# (choice index, token id, finish reason or None, stop reason or None, logprobs or None) where
+# logprobs = (log-probability of the token, [(token id, log-probability), ...] top alternatives)
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+TokenEvent = tuple[int, int, "str | None", "str | int | None", "TokenLogprobs | None"]
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One request as the scheduler sees it.
+
+    `emit` is called from the worker thread with the events of one step (a list of
+    `TokenEvent`); an exception instead of a list means the request failed.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_ids: set[int]
+    generator: torch.Generator
+    emit: Callable[[list[TokenEvent] | BaseException], None]
+    lora_name: str | None = None
+    cancelled: bool = False
+    finished_choices: set[int] = field(default_factory=set)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return (len(self.prompt_ids) + self.max_tokens) * self.params.n
+
+
+@dataclass(eq=False)
+class _Row:
+    request: BatchRequest
+    index: int
+    generated: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finished or self.request.cancelled or self.index in self.request.finished_choices
+
+
+class ContinuousBatcher:
+    """Schedules `BatchRequest`s onto a model in one worker thread.
+
+    Args:
+        model: a transformers causal LM in eval mode.
+        max_num_seqs: most rows (sequences) decoded together.
+        max_batch_tokens: most tokens reserved by the running rows (prompt + max new tokens
+            each), which bounds KV cache memory.
+        use_kv_cache: False recomputes the whole sequence every step, one row at a time
+            (LLaMA-Factory's `use_kv_cache: false`).
+    """
+
+    def __init__(self, model: Any, max_num_seqs: int = 32, max_batch_tokens: int = 65536,
+                 use_kv_cache: bool = True):
+        self.model = model
+        self.device = model.device
+        # A peft model takes one adapter name per row ("__base__" = no adapter).
+        self._mixed_adapters = hasattr(model, "peft_config")
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.use_kv_cache = use_kv_cache
+        self._waiting: deque[BatchRequest] = deque()
+        self._rows: list[_Row] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # (rows, columns) 1 = real token, 0 = padding
+        self._next_tokens: torch.Tensor | None = None  # (rows,) last sampled token per row
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="hf-continuous-batching", daemon=True)
+        self.steps = 0
+
+    # ---- called from any thread -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30) -> None:
+        """Stop the worker thread and wait (up to `timeout` s) for its current step to end, so
+        no forward pass is still running when the process exits."""
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def submit(self, request: BatchRequest) -> None:
+        with self._wake:
+            self._waiting.append(request)
+            self._wake.notify_all()
+
+    def finish_choice(self, request: BatchRequest, index: int) -> None:
+        """Stop generating choice `index` (e.g. a stop string was found in its text)."""
+        request.finished_choices.add(index)
+
+    def cancel(self, request: BatchRequest) -> None:
+        """Stop generating every choice of `request`; its rows leave at the next step."""
+        request.cancelled = True
+        with self._wake:
+            if request in self._waiting:
+                self._waiting.remove(request)
+
+    @property
+    def num_running(self) -> int:
+        """Requests with at least one row in the batch."""
+        return len({id(r.request) for r in self._rows if not r.done})
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- worker thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._wake:
+                while not self._stopped and not self._waiting and not self._rows:
+                    self._wake.wait()
+                if self._stopped:
+                    break
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except Exception as exc:  # noqa: BLE001 - fail the requests in the batch, keep serving
+                logger.exception("batch step failed; failing %d running requests", len(self._rows))
+                for request in {id(r.request): r.request for r in self._rows}.values():
+                    request.emit(exc)
+                self._rows, self._cache, self._mask, self._next_tokens = [], None, None, None
+        for request in list(self._waiting) + [r.request for r in self._rows]:
+            request.emit(RuntimeError("engine shut down"))
+
+    def _step(self) -> None:
+        self.steps += 1
+        self._drop_done_rows()
+        admitted = self._admit()
+        events: dict[int, tuple[BatchRequest, list[TokenEvent]]] = {}
+        if admitted:
+            self._prefill(admitted, events)
+        decode_rows = [r for r in self._rows if not r.done and r.generated]
+        if decode_rows and not admitted:
+            self._decode(events)
+        for request, items in events.values():
+            request.emit(items)
+
+    def _admit(self) -> list[BatchRequest]:
+        admitted: list[BatchRequest] = []
+        with self._wake:
+            rows = len(self._rows)
+            reserved = sum({id(r.request): r.request.reserved_tokens for r in self._rows}.values())
+            while self._waiting:
+                request = self._waiting[0]
+                n = request.params.n
+                fits = rows + n <= self.max_num_seqs and reserved + request.reserved_tokens <= self.max_batch_tokens
+                if not fits and (rows or admitted):
+                    break
+                self._waiting.popleft()
+                admitted.append(request)
+                rows += n
+                reserved += request.reserved_tokens
+        return admitted
+
+    def _drop_done_rows(self) -> None:
+        keep = [i for i, r in enumerate(self._rows) if not r.done]
+        if len(keep) == len(self._rows):
+            return
+        self._rows = [self._rows[i] for i in keep]
+        if not self._rows:
+            self._cache, self._mask, self._next_tokens = None, None, None
+            return
+        index = torch.tensor(keep, device=self.device)
+        self._mask = self._mask.index_select(0, index)
+        self._next_tokens = self._next_tokens.index_select(0, index)
+        if self._cache is not None:
+            self._cache.batch_select_indices(index)
+        # Columns that hold padding for every remaining row can go.
+        first = int(self._mask.any(dim=0).nonzero()[0])
+        if first > 0:
+            self._mask = self._mask[:, first:]
+            if self._cache is not None:
+                for layer in self._cache.layers:
+                    layer.keys = layer.keys[:, :, first:]
+                    layer.values = layer.values[:, :, first:]
+
+    def _prefill(self, admitted: list[BatchRequest], events: dict) -> None:
+        """Prefill the admitted prompts together, sample their first tokens, and merge them
+        into the running batch. The running rows decode this step too (in the same pass when
+        there is no KV cache, else right after)."""
+        width = max(len(r.prompt_ids) for r in admitted)
+        ids = torch.zeros((len(admitted), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(admitted), width), dtype=torch.long, device=self.device)
+        for i, request in enumerate(admitted):
+            ids[i, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
+            mask[i, width - len(request.prompt_ids):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=self.use_kv_cache,
+                         **self._adapter_kwargs(admitted))
+        repeat = torch.tensor([r.params.n for r in admitted], device=self.device)
+        row_of = torch.repeat_interleave(torch.arange(len(admitted), device=self.device), repeat)
+        logits = out.logits[:, -1, :].float().index_select(0, row_of)
+        new_rows = [_Row(request, index) for request in admitted for index in range(request.params.n)]
+        new_cache = None
+        if self.use_kv_cache:
+            new_cache = out.past_key_values
+            if len(new_rows) != len(admitted):
+                new_cache.batch_select_indices(row_of)
+        tokens = self._sample(new_rows, logits)
+        logprobs = self._logprobs(new_rows, logits, tokens)
+        old_rows = [r for r in self._rows if r.generated]
+        # Decode the running rows now too, so a stream of arrivals cannot starve them.
+        if old_rows and self.use_kv_cache:
+            self._decode(events)
+        self._merge(new_rows, new_cache, mask.index_select(0, row_of), tokens)
+        for row, token, lp in zip(new_rows, tokens.tolist(), logprobs):
+            self._record(row, token, events, lp)
+
+    def _merge(self, rows: list[_Row], cache: Any, mask: torch.Tensor, tokens: torch.Tensor) -> None:
+        if not self._rows:
+            self._rows, self._cache, self._mask, self._next_tokens = rows, cache, mask, tokens
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+
+        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        self._mask = torch.cat([left_pad(self._mask, 1), left_pad(mask, 1)], dim=0)
+        if self._cache is not None:
+            for old, new in zip(self._cache.layers, cache.layers):
+                old.keys = torch.cat([left_pad(old.keys, 2), left_pad(new.keys, 2)], dim=0)
+                old.values = torch.cat([left_pad(old.values, 2), left_pad(new.values, 2)], dim=0)
+        self._rows = self._rows + rows
+        self._next_tokens = torch.cat([self._next_tokens, tokens])
+
+    def _decode(self, events: dict) -> None:
+        """One decode step for every running row that has already produced a token."""
+        if self.use_kv_cache:
+            mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
+            positions = (mask.sum(-1, keepdim=True) - 1)
+            out = self.model(input_ids=self._next_tokens[:, None], attention_mask=mask, position_ids=positions,
+                             past_key_values=self._cache, use_cache=True,
+                             **self._adapter_kwargs([r.request for r in self._rows]))
+            self._cache, self._mask = out.past_key_values, mask
+            logits = out.logits[:, -1, :].float()
+        else:
+            logits = torch.cat([self._full_forward(r) for r in self._rows])
+            self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
+        tokens = self._sample(self._rows, logits)
+        logprobs = self._logprobs(self._rows, logits, tokens)
+        self._next_tokens = tokens
+        for row, token, lp in zip(self._rows, tokens.tolist(), logprobs):
+            self._record(row, token, events, lp)
+
+    def _full_forward(self, row: _Row) -> torch.Tensor:
+        ids = torch.tensor([row.request.prompt_ids + row.generated], device=self.device)
+        return self.model(input_ids=ids, use_cache=False, **self._adapter_kwargs([row.request])).logits[:, -1, :].float()
+
+    def _adapter_kwargs(self, requests: list[BatchRequest]) -> dict:
+        if not self._mixed_adapters:
+            return {}
+        return {"adapter_names": [r.lora_name or "__base__" for r in requests]}
+
+    @staticmethod
+    def _logprobs(rows: list[_Row], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+        """Log-probabilities of the chosen tokens and the top alternatives, from the model's
+        raw distribution (before penalties and sampling warpers, as vLLM reports by default),
+        for the rows whose request asked for them."""
+        wanted = [r.request.params.logprobs is not None for r in rows]
+        if not any(wanted):
+            return [None] * len(rows)
+        logp = torch.log_softmax(logits, dim=-1)
+        out: list[TokenLogprobs | None] = []
+        for i, (row, want) in enumerate(zip(rows, wanted)):
+            if not want:
+                out.append(None)
+                continue
+            k = row.request.params.logprobs
+            top = torch.topk(logp[i], k) if k else None
+            alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            out.append((float(logp[i, tokens[i]]), alternatives))
+        return out
+
+    def _record(self, row: _Row, token: int, events: dict, logprobs: TokenLogprobs | None = None) -> None:
+        if row.done:
+            return
+        request = row.request
+        row.generated.append(token)
+        finish, stop_reason = None, None
+        if token in request.params.stop_token_ids:
+            finish, stop_reason = "stop", token
+        elif token in request.eos_ids:
+            finish = "stop"
+        elif len(row.generated) >= request.max_tokens:
+            finish = "length"
+        row.finished = finish is not None
+        events.setdefault(id(request), (request, []))[1].append((row.index, token, finish, stop_reason, logprobs))
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """Next token per row; `logits` shape `[rows, vocab]` (float32)."""
+        plain_greedy = all(r.request.params.greedy and not _has_penalties(r.request.params) for r in rows)
+        if plain_greedy:
+            return logits.argmax(dim=-1)
+        return torch.stack([self._sample_row(row, logits[i:i + 1]) for i, row in enumerate(rows)])
+
+    def _sample_row(self, row: _Row, scores: torch.Tensor) -> torch.Tensor:
+        from transformers.generation.logits_process import (
+            MinPLogitsWarper,
+            RepetitionPenaltyLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        p = row.request.params
+        if _has_penalties(p):
+            scores = scores.clone()
+            if p.repetition_penalty and p.repetition_penalty != 1.0:
+                seen = torch.tensor([row.request.prompt_ids + row.generated], device=scores.device)
+                scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(seen, scores)
+            if (p.presence_penalty or p.frequency_penalty) and row.generated:
+                # OpenAI semantics: penalise by each token's count in the completion so far.
+                counts = torch.bincount(torch.tensor(row.generated, device=scores.device),
+                                        minlength=scores.shape[-1])[None, :scores.shape[-1]].to(scores.dtype)
+                scores -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
+        if p.greedy:
+            return scores.argmax(dim=-1)[0]
+        dummy_ids = torch.empty((1, 0), dtype=torch.long, device=scores.device)
+        scores = TemperatureLogitsWarper(p.temperature)(dummy_ids, scores)
+        if p.top_k and p.top_k > 0:
+            scores = TopKLogitsWarper(p.top_k)(dummy_ids, scores)
+        if p.top_p is not None and p.top_p < 1.0:
+            scores = TopPLogitsWarper(p.top_p)(dummy_ids, scores)
+        if p.min_p and p.min_p > 0:
+            scores = MinPLogitsWarper(p.min_p)(dummy_ids, scores)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1, generator=row.request.generator)[0, 0]
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return bool((p.repetition_penalty and p.repetition_penalty != 1.0) or p.presence_penalty or p.frequency_penalty)

@@ -1,0 +1,150 @@
+"""The `lmserve` command line: LLaMA-Factory's `api` and `chat` as drop-ins."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import _free_port
+from engines.config import ConfigError, load_config_file, parse_overrides
+
+LMSERVE = [sys.executable, "-m", "deployments.cli"]
+LF_YAML = "model_name_or_path: smollm2\ntemplate: smollm2\ninfer_backend: huggingface\nfinetuning_type: lora\n"
+
+
+@pytest.fixture
+def lf_config(tmp_path) -> Path:
+    path = tmp_path / "smollm2_infer.yaml"
+    path.write_text(LF_YAML)
+    return path
+
+
+def test_help_lists_the_commands():
+    out = subprocess.run(LMSERVE + ["--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("api", "chat", "serve", "download", "check"):
+        assert command in out
+
+
+def test_overrides_are_typed():
+    assert parse_overrides(["infer_backend=vllm", "vllm_enforce_eager=true", "temperature=0.5", "template="]) == {
+        "infer_backend": "vllm", "vllm_enforce_eager": True, "temperature": 0.5, "template": None}
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(["oops"])
+
+
+def test_config_file_and_overrides(lf_config):
+    cfg = load_config_file(str(lf_config), ["do_sample=false", "max_new_tokens=64"])
+    assert (cfg.model_name_or_path, cfg.do_sample, cfg.max_new_tokens) == ("smollm2", False, 64)
+
+
+def test_config_error_names_field_and_file(lf_config):
+    proc = subprocess.run(LMSERVE + ["chat", str(lf_config), "temprature=3"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert str(lf_config) in proc.stderr and "unknown field 'temprature'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_chat_streams_keeps_history_and_clears(lf_config, model_dir):
+    script = "What is the capital of France?\nWhat did I just ask you?\nclear\nexit\n"
+    proc = subprocess.run(LMSERVE + ["chat", str(lf_config), "do_sample=false", "max_new_tokens=48"],
+                          input=script, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("Welcome to the CLI application")
+    answers = [part.split("\n")[0] for part in out.split("Assistant: ")[1:]]
+    assert len(answers) == 2 and "Paris" in answers[0]
+    assert "History has been removed." in out
+
+
+@pytest.mark.slow
+def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
+    port = _free_port()
+    env = {**os.environ, "API_PORT": str(port), "API_HOST": "127.0.0.1", "API_KEY": "cli-key",
+           "API_MODEL_NAME": "my-sft"}
+    proc = subprocess.Popen(LMSERVE + ["api", str(lf_config), "do_sample=false"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="cli-key", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, "lmserve api exited"
+            try:
+                resp = client.chat.completions.create(
+                    model="my-sft", messages=[{"role": "user", "content": "What is the capital of France?"}])
+                break
+            except (openai.APIConnectionError, openai.NotFoundError, openai.InternalServerError):
+                assert time.monotonic() < deadline, "lmserve api did not answer in time"
+                time.sleep(1)
+        assert "Paris" in resp.choices[0].message.content  # do_sample=false override: greedy
+        assert [m.id for m in client.models.list().data] == ["my-sft"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_serve_drains_streams_on_sigterm(tmp_path, model_dir):
+    import httpx
+    import json
+    import threading
+
+    port = _free_port()
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(f"""
+http_options: {{host: 127.0.0.1, port: {port}}}
+applications:
+  - name: drain
+    route_prefix: /
+    import_path: deployments.app:build_app
+    args:
+      models:
+        - model_id: smollm2
+          deployment: {{ray_actor_options: {{num_cpus: 1}}}}
+""")
+    proc = subprocess.Popen(LMSERVE + ["serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, "lmserve serve exited"
+            try:
+                if httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                              timeout=30).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "not serving in time"
+            time.sleep(1)
+        events, ready = [], threading.Event()
+
+        def read():
+            body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 48,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url, json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                        ready.set()
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        assert ready.wait(60)
+        proc.send_signal(signal.SIGTERM)  # to the main process only, as a container runtime does
+        thread.join(120)
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
