@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -93,22 +92,6 @@ def model_max_len(model_path: Path) -> int | None:
     cfg = {**cfg.get("text_config", {}), **cfg}
     lengths = [int(cfg[k]) for k in _MAX_LEN_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 0]
     return min(lengths) if lengths else None
-
-
-def adapter_names(paths: list[str]) -> list[str]:
-    """One name per adapter path: its last path component, made unique with `-2`, `-3`, ...
-
-    These are the names a `GenerationRequest.lora_name` chooses from.
-    """
-    names: list[str] = []
-    for path in paths:
-        base = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(path.rstrip("/")).name) or "adapter"
-        name, k = base, 1
-        while name in names:
-            k += 1
-            name = f"{base}-{k}"
-        names.append(name)
-    return names
 
 
 def engine_arguments(config: EngineConfig, model_path: Path | str, device: str) -> dict[str, Any]:
@@ -203,23 +186,21 @@ class VLLMEngine(Engine):
     Args:
         config: the model's `EngineConfig` (`infer_backend: vllm`).
 
-    After `start`, `lora_names` lists the adapters of `adapter_name_or_path` (see
-    `adapter_names`); a request picks one with `GenerationRequest.lora_name`.
+    Every adapter of `adapter_name_or_path` is loaded at start under its name in
+    `EngineConfig.lora_adapters` (the names the ingress exposes as `<model_id>:<name>`); a request
+    picks one with `GenerationRequest.lora_name`.
 
     `AsyncLLM` belongs to the event loop that started it (its output handler is a task there):
     call `generate`, `check_health` and `shutdown` from that loop only (a Ray Serve replica has
     one); another loop gets `EngineUnavailableError`.
     """
 
-    # logprobs: the engine fills GenerationDelta.logprobs, but the ingress does not render them
-    # yet, so the API keeps refusing them (declaring it here would drop them silently).
-    capabilities = Capabilities(backend="vllm", logprobs=False, lora=True, response_format=False)
+    capabilities = Capabilities(backend="vllm", logprobs=True, lora=True, response_format=False)
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_path: Path | None = None
         self.device: str | None = None
-        self.lora_names: list[str] = []
         self._llm: Any = None
         self._info: ModelInfo | None = None
         self._lora_requests: dict[str, Any] = {}
@@ -258,8 +239,7 @@ class VLLMEngine(Engine):
         self._vocab_size = model_config.get_vocab_size()
         self._info = ModelInfo(max_model_len=int(model_config.max_model_len),
                                dtype=str(model_config.dtype).removeprefix("torch."), device=self.device)
-        self.lora_names = adapter_names(self.config.adapters)
-        for i, (name, path) in enumerate(zip(self.lora_names, self.config.adapters), start=1):
+        for i, (name, path) in enumerate(self.config.lora_adapters.items(), start=1):
             local = Path(path).expanduser()
             request = LoRARequest(name, i, str(local.resolve()) if local.exists() else path)
             try:
@@ -269,7 +249,7 @@ class VLLMEngine(Engine):
                 raise ModelLoadError(f"could not load LoRA adapter {path!r}: {type(exc).__name__}: {exc}") from exc
             self._lora_requests[name] = request
         logger.info("vLLM ready: %s as %s on %s, max_model_len %d, adapters %s", self.model_path,
-                    self._info.dtype, self.device, self._info.max_model_len, self.lora_names)
+                    self._info.dtype, self.device, self._info.max_model_len, list(self._lora_requests))
 
     def _stat_logger_factory(self):
         """A vLLM stat logger that keeps the engine core's latest scheduler stats in `_stats`."""
@@ -300,6 +280,22 @@ class VLLMEngine(Engine):
         llm = self._require_llm()
         return {"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0, **self._stats,
                 "num_unfinished_requests": llm.get_num_unfinished_requests()}
+
+    @property
+    def num_running(self) -> int:
+        """Sequences the engine core's scheduler is running (last report; 0 once this process
+        has no unfinished request, so an abort shows at once)."""
+        if self._llm is None:
+            return 0
+        return min(int(self._stats.get("num_running_reqs", 0)), self._llm.get_num_unfinished_requests())
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued in the engine core's scheduler (last report), bounded the same way."""
+        if self._llm is None:
+            return 0
+        unfinished = self._llm.get_num_unfinished_requests()
+        return min(int(self._stats.get("num_waiting_reqs", 0)), max(unfinished - self.num_running, 0))
 
     def model_info(self) -> ModelInfo:
         if self._info is None:
@@ -355,9 +351,8 @@ class VLLMEngine(Engine):
         if request.lora_name is not None:
             lora_request = self._lora_requests.get(request.lora_name)
             if lora_request is None:
-                raise InvalidRequestError(
-                    f"LoRA adapter {request.lora_name!r} is not loaded (loaded: {self.lora_names or 'none'})",
-                    param="model")
+                raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
+                                          f"{sorted(self._lora_requests)}", param="model")
         try:
             vllm_params = VLLMSamplingParams(**sampling_arguments(params, max_tokens),
                                              output_kind=RequestOutputKind.DELTA)

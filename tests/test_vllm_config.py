@@ -8,7 +8,7 @@ from deployments.app import parse_args
 from engines import engine_capabilities
 from engines.base import SamplingParams
 from engines.config import ConfigError, EngineConfig
-from engines.vllm import adapter_names, engine_arguments, pick_vllm_dtype, sampling_arguments
+from engines.vllm import engine_arguments, pick_vllm_dtype, sampling_arguments
 
 
 @pytest.fixture
@@ -75,8 +75,8 @@ def test_every_adapter_becomes_a_lora(model_path):
     cfg = EngineConfig(infer_backend="vllm", adapter_name_or_path="/a/sft, /b/sft/, /c/dpo")
     args = engine_arguments(cfg, model_path, "cuda")
     assert args["enable_lora"] is True and args["max_loras"] == 3
-    assert adapter_names(cfg.adapters) == ["sft", "sft-2", "dpo"]
-    assert adapter_names(["org/my adapter"]) == ["my_adapter"]
+    # the engine loads them under the names the ingress exposes as <model_id>:<name>
+    assert list(cfg.lora_adapters) == ["sft", "sft-2", "dpo"]
 
 
 def test_every_sampling_param_is_mapped():
