@@ -92,6 +92,8 @@ def markdown(results: list[TargetResult], levels: list[int], header: str, notes:
         line = f"- `{r.name}`: {r.description}" if r.description else f"- `{r.name}`:"
         if r.startup_s is not None:
             line += f"; ready {r.startup_s:.1f} s after start"
+        if r.load_at_start and r.status == "ok":
+            line += f"; load average {r.load_at_start} when it started"
         if r.status != "ok":
             line += f"{'.' if r.description else ''} {r.status}" + (f": {r.reason.splitlines()[0]}" if r.reason else "")
         elif r.reason:

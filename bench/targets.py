@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,6 +80,7 @@ class TargetResult:
     reason: str | None = None
     description: str = ""
     startup_s: float | None = None
+    load_at_start: str = ""
     ignore_eos: bool = True
     levels: list[LevelResult] = field(default_factory=list)
 
@@ -204,6 +207,8 @@ def run_server_target(name: str, s: Settings) -> TargetResult:
         result.status, result.reason = "failed", f"server did not start: {exc}"
     finally:
         server.stop()
+        if spec.marker:
+            shutil.rmtree(spec.marker, ignore_errors=True)  # the private Ray temp dir
     return result
 
 
@@ -264,11 +269,15 @@ def run_inprocess_target(name: str, s: Settings) -> TargetResult:
 
 def run_target(name: str, s: Settings) -> TargetResult:
     """Run one target through every level; never raises for a target that cannot run."""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     if s.left() < 30:
         return TargetResult(name, "not run", "run deadline reached")
     try:
         if name.startswith("inprocess-"):
-            return run_inprocess_target(name, s)
-        return run_server_target(name, s)
+            result = run_inprocess_target(name, s)
+        else:
+            result = run_server_target(name, s)
     except Exception as exc:  # noqa: BLE001 - one broken target must not lose the others' numbers
-        return TargetResult(name, "failed", f"{type(exc).__name__}: {exc}")
+        result = TargetResult(name, "failed", f"{type(exc).__name__}: {exc}")
+    result.load_at_start = load
+    return result
