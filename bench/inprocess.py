@@ -20,7 +20,7 @@ from bench.loadgen import run_level
 from bench.metrics import Chunk, RequestRecord
 
 
-async def run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace) -> None:
     from engines import create_engine
     from engines.base import GenerationRequest, SamplingParams
     from engines.config import EngineConfig
@@ -59,8 +59,10 @@ async def run(args: argparse.Namespace) -> dict:
                                         args.level_timeout)
         levels.append({"concurrency": concurrency, "wall_s": wall, "records": [r.to_dict() for r in records]})
         print(f"inprocess: level {concurrency} done in {wall:.1f} s", file=sys.stderr, flush=True)
+    # Written before the engine shuts down, so a crash on the way out does not lose the numbers.
+    with open(args.out, "w") as f:
+        json.dump({"load_s": load_s, "levels": levels}, f)
     await engine.shutdown()
-    return {"load_s": load_s, "levels": levels}
 
 
 def main() -> int:
@@ -78,9 +80,7 @@ def main() -> int:
     parser.add_argument("--level-timeout", type=float, default=600)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = asyncio.run(run(args))
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    asyncio.run(run(args))
     return 0
 
 

@@ -254,10 +254,13 @@ def run_inprocess_target(name: str, s: Settings) -> TargetResult:
         except subprocess.TimeoutExpired:
             result.status, result.reason = "failed", f"did not finish within {limit:.0f} s"
             return result
-        if child.proc.returncode != 0 or not out.is_file():
+        if not out.is_file():
             result.status = "failed"
             result.reason = f"exited with code {child.proc.returncode}; log {child.log_path}:\n{child.log_tail()}"
             return result
+        if child.proc.returncode != 0:  # after writing its results: while shutting the engine down
+            result.reason = (f"the child exited with code {child.proc.returncode} after writing its results "
+                             f"(log {child.log_path}: {child.log_tail(1)})")
         data = json.loads(out.read_text())
         result.startup_s = data["load_s"]
         for level in data["levels"]:
