@@ -29,6 +29,7 @@ from engines.base import (
     SamplingParams,
     TokenLogprob,
     Usage,
+    resolve_max_tokens,
 )
 from engines.config import EngineConfig
 from engines.continuous_batching import BatchRequest, ContinuousBatcher
@@ -242,23 +243,8 @@ class HuggingFaceEngine(Engine):
             do_sample=cfg.do_sample, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
             repetition_penalty=cfg.repetition_penalty,
         )
-        prompt_len = len(request.prompt_token_ids)
-        max_len = self.model_info().max_model_len
-        if prompt_len == 0:
-            raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
-        if prompt_len >= max_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {max_len} tokens; the prompt has "
-                f"{prompt_len} tokens.", param="messages")
-        if params.max_tokens is not None:
-            if prompt_len + params.max_tokens > max_len:
-                raise InvalidRequestError(
-                    f"This model's maximum context length is {max_len} tokens. However, you "
-                    f"requested {prompt_len + params.max_tokens} tokens ({prompt_len} in the "
-                    f"prompt, {params.max_tokens} for the completion).", param="max_tokens")
-            max_tokens = params.max_tokens
-        else:
-            max_tokens = min(cfg.max_new_tokens, max_len - prompt_len)
+        max_tokens = resolve_max_tokens(len(request.prompt_token_ids), params.max_tokens, cfg.max_new_tokens,
+                                        self.model_info().max_model_len)
         if request.lora_name is not None and request.lora_name not in self.config.lora_adapters:
             raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
                                       f"{sorted(self.config.lora_adapters)}", param="model")
