@@ -65,13 +65,23 @@ class RequestRecord:
 
 def count_tokens(record: RequestRecord, tokenize: Callable[[str], int]) -> None:
     """Fill in what the server did not say: the completion tokens (when no usage came) and each
-    chunk's token count, by tokenizing the text with `tokenize` (text -> number of tokens)."""
+    chunk's token count, with `tokenize` (text -> number of tokens).
+
+    A chunk's count is the growth of the token count of the text so far, not the count of its
+    own text alone: a chunk "word " alone is two tokens but one within the sentence.
+    """
     if record.completion_tokens is None:
         record.completion_tokens = tokenize(record.text)
         record.tokens_counted = True
+    text, before = "", 0
     for chunk in record.chunks:
-        if chunk.num_tokens is None and chunk.text:
-            chunk.num_tokens = max(1, tokenize(chunk.text))
+        if not chunk.text:
+            continue
+        text += chunk.text
+        now = tokenize(text)
+        if chunk.num_tokens is None:
+            chunk.num_tokens = max(1, now - before)
+        before = now
 
 
 def itl_samples(record: RequestRecord) -> list[float]:

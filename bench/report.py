@@ -93,7 +93,7 @@ def markdown(results: list[TargetResult], levels: list[int], header: str, notes:
         if r.startup_s is not None:
             line += f"; ready {r.startup_s:.1f} s after start"
         if r.load_at_start and r.status == "ok":
-            line += f"; load average {r.load_at_start} when it started"
+            line += f"; load average {r.load_at_start} as it started (the previous target's own load fades slowly)"
         if r.status != "ok":
             line += f"{'.' if r.description else ''} {r.status}" + (f": {r.reason.splitlines()[0]}" if r.reason else "")
         elif r.reason:

@@ -217,6 +217,9 @@ def _summarize(concurrency: int, records: list[RequestRecord], wall: float, s: S
     for record in records:
         if record.ok:
             count_tokens(record, s.tokenize)
+    with open(s.log_dir / f"records-{name}.jsonl", "a") as raw:  # every chunk's arrival, for a second look
+        for record in records:
+            raw.write(json.dumps({"concurrency": concurrency, **record.to_dict()}) + "\n")
     level = summarize(concurrency, records, wall)
     print(f"bench: {name}: c={concurrency}: {level.tokens_per_s:.1f} tok/s, {level.ok}/{level.requests} ok, "
           f"TTFT p50 {_ms(level.ttft_p50)}, ITL p50 {_ms(level.itl_p50)}", file=sys.stderr, flush=True)
@@ -273,6 +276,7 @@ def run_inprocess_target(name: str, s: Settings) -> TargetResult:
 
 def run_target(name: str, s: Settings) -> TargetResult:
     """Run one target through every level; never raises for a target that cannot run."""
+    (s.log_dir / f"records-{name}.jsonl").unlink(missing_ok=True)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     if s.left() < 30:
         return TargetResult(name, "not run", "run deadline reached")

@@ -56,6 +56,18 @@ def test_count_tokens_fills_in_only_what_the_server_did_not_say():
     assert with_usage.chunks[0].num_tokens == 5
 
 
+def test_chunk_token_counts_follow_the_text_so_far_not_the_chunk_alone():
+    import re
+
+    # A stand-in BPE: a word takes the space before it; a trailing space is a token of its own.
+    bpe = lambda text: len(re.findall(r" ?\w+| ", text))  # noqa: E731
+    record = RequestRecord(start=0, end=1, chunks=[Chunk(t=0.1, text="one "), Chunk(t=0.2, text="two "),
+                                                    Chunk(t=0.3, text="three")])
+    count_tokens(record, bpe)
+    assert bpe("two ") == 2  # alone, each such chunk would count twice
+    assert [c.num_tokens for c in record.chunks] == [2, 1, 1] and record.completion_tokens == 3
+
+
 def test_summarize_counts_only_finished_requests():
     ok = [RequestRecord(start=0, end=2, chunks=[Chunk(t=0.5, text="a", num_tokens=1), Chunk(t=1.0, text="b", num_tokens=1)],
                         completion_tokens=10) for _ in range(3)]
