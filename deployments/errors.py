@@ -86,14 +86,6 @@ class RequestTimeoutError(APIError):
     error_type = "timeout"
 
 
-class ReplicaFailedError(APIError):
-    """The replica serving the request died; the client may retry."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-    retry_after = 1
-
-
 def is_replica_failure(exc: BaseException) -> bool:
     """True for errors that mean the replica (its process or actor) is gone, not that the
     request was bad: safe to retry elsewhere if nothing was sent yet."""

@@ -336,8 +336,7 @@ class OpenAIIngress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
                                        parse_tools=body.tools_enabled)
-            return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
-                                                 backend=entry.config.infer_backend), entry.capabilities.backend)
+            return self._sse_response(entry, chunks)
         texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
         if self.settings.log_prompts:
             logger.info("%s completions=%r", request_id, texts)
@@ -378,8 +377,7 @@ class OpenAIIngress:
             first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
-            return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
-                                                 backend=entry.config.infer_backend), entry.capabilities.backend)
+            return self._sse_response(entry, chunks)
         texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
@@ -389,6 +387,11 @@ class OpenAIIngress:
         ), entry.capabilities.backend)
 
     # ---- SSE -----------------------------------------------------------------------------
+
+    def _sse_response(self, entry: _ModelEntry, chunks: AsyncIterator[str]) -> StreamingResponse:
+        """`chunks` as an SSE response; an error raised while streaming is counted for `entry`."""
+        return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
+                                             backend=entry.config.infer_backend), entry.capabilities.backend)
 
     async def _chat_chunks(self, request_id: str, created: int, model: str, n: int, first: list[GenerationDelta],
                            stream: AsyncIterator[GenerationDelta], include_usage: bool,
