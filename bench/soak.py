@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,14 +28,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.servers import free_port
+
 PROMPTS = ["Tell me about lighthouses.", "Describe a storm at sea.", "Write a short poem about rain.",
            "Explain how a bicycle works.", "What do cats like to eat?", "Describe a busy market."]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, timeout: float) -> str:

@@ -1,0 +1,145 @@
+"""Serving overhead at one stream, measured interleaved: `python -m bench.overhead`.
+
+Issue 7's overhead target compares lmserve's time to first token with the in-process engine's.
+Measured one target after the other (as `python -m bench` does), the difference is of the same
+size as the drift of a shared 2-core machine. This probe keeps every variant up at once and sends
+its requests round-robin, one at a time, so each variant sees the same machine state:
+
+- `inprocess`: the huggingface engine in this process (no Ray, no HTTP);
+- `lmserve`: `bench.lmserve_server` with Ray Serve's defaults (HTTP proxy -> ingress replica ->
+  model replica, user code on its own event-loop thread);
+- `lmserve-throughput-optimized`: the same with `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (Ray >= 2.56:
+  the ingress replica serves HTTP itself with no proxy hop, gRPC between replicas, user code on the
+  replica's main loop; see Ray's "Enable High Throughput on Ray Serve" guide).
+
+It prints TTFT and inter-token latency p50/p95 per variant and each server's TTFT p50 minus the
+in-process one; `--out` writes the records as JSON. Prompts are rendered once by `engines.prompt`,
+as the ingress renders them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import httpx
+
+from bench import venvs
+from bench.loadgen import chat_payload, run_level, stream_chat
+from bench.metrics import Chunk, RequestRecord, count_tokens, itl_samples, percentile
+from bench.servers import ServerProcess, free_port
+
+MODEL_ID = "smollm2"
+
+
+def _tokens(records: list[RequestRecord]) -> int:
+    """Output tokens of the requests that finished (the server's usage, else the chunks' counts)."""
+    return sum(r.completion_tokens if r.completion_tokens is not None else sum(c.num_tokens or 0 for c in r.chunks)
+               for r in records if r.ok)
+
+
+def _server(name: str, env_extra: dict[str, str], log_dir: Path) -> tuple[ServerProcess, str]:
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix=f"lmoverhead-{name}-")
+    args = {"models": [{"model_id": MODEL_ID, "model_name_or_path": "smollm2", "infer_dtype": "float32"}]}
+    cmd = [str(venvs.REPO_ROOT / ".venv/bin/python"), "-m", "bench.lmserve_server", "--port", str(port),
+           "--ray-temp-dir", temp_dir, "--args", json.dumps(args)]
+    env = venvs.clean_env(**env_extra)
+    env.pop("API_KEY", None)
+    return ServerProcess(cmd, env, venvs.REPO_ROOT, log_dir / f"{name}.log", marker=temp_dir), f"http://127.0.0.1:{port}"
+
+
+async def main(opts: argparse.Namespace) -> None:
+    from engines import create_engine
+    from engines.base import GenerationRequest, SamplingParams
+    from engines.config import EngineConfig
+    from engines.model_source import ensure_embedded_model
+    from engines.prompt import PromptRenderer
+
+    prompts = json.loads((venvs.BENCH_DIR / "prompts.json").read_text())["prompts"]
+    model_dir = ensure_embedded_model()
+    renderer = PromptRenderer.from_pretrained(model_dir)
+    prompt_ids = [renderer.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    log_dir = Path(tempfile.mkdtemp(prefix="lmoverhead-logs-"))
+
+    servers = {
+        "lmserve": _server("default", {}, log_dir),
+        "lmserve-throughput-optimized": _server("tput", {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, log_dir),
+    }
+    engine = create_engine(EngineConfig(model_name_or_path=str(model_dir), infer_dtype="float32"))
+    try:
+        for proc, _ in servers.values():
+            proc.start()
+        await engine.start()
+        for name, (proc, url) in servers.items():
+            waited = await asyncio.to_thread(proc.wait_ready, url, MODEL_ID, 600)
+            print(f"{name}: ready after {waited:.1f} s ({url}, log {proc.log_path})", flush=True)
+
+        async def inprocess(record: RequestRecord, index: int) -> None:
+            params = SamplingParams(max_tokens=opts.max_tokens, temperature=0, ignore_eos=True)
+            request = GenerationRequest(f"overhead-{index}-{time.monotonic_ns()}",
+                                        prompt_ids[index % len(prompt_ids)], params)
+            async for delta in engine.generate(request):
+                if delta.text:
+                    record.chunks.append(Chunk(t=time.perf_counter(), text=delta.text, num_tokens=delta.num_tokens))
+            record.end = time.perf_counter()
+
+        records: dict[str, list[RequestRecord]] = {"inprocess": [], **{name: [] for name in servers}}
+        walls: dict[str, float] = {name: 0.0 for name in records}
+        limits = httpx.Limits(max_connections=opts.concurrency + 4, max_keepalive_connections=opts.concurrency + 4)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            async def via_http(url: str, record: RequestRecord, index: int) -> None:
+                payload = chat_payload(MODEL_ID, prompts[index % len(prompts)], opts.max_tokens, True)
+                await stream_chat(client, url + "/v1/chat/completions", payload, record)
+
+            for round_ in range(-opts.warmup, opts.rounds):
+                order = ["inprocess", *servers]
+                # Rotate the order each round so that no variant always runs right after another.
+                order = order[round_ % len(order):] + order[:round_ % len(order)]
+                for name in order:
+                    send = inprocess if name == "inprocess" else partial(via_http, servers[name][1])
+                    recs, wall = await run_level(send, opts.concurrency, opts.concurrency, 600)
+                    if round_ >= 0:
+                        records[name].extend(recs)
+                        walls[name] += wall
+    finally:
+        await engine.shutdown()
+        for proc, _ in servers.values():
+            proc.stop()
+
+    tokenizer = renderer.tokenizer
+    for recs in records.values():
+        for record in recs:
+            count_tokens(record, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    base = percentile([r.ttft for r in records["inprocess"] if r.ttft is not None], 50)
+    base_tps = _tokens(records["inprocess"]) / walls["inprocess"]
+    print(f"\n{opts.rounds} rounds of {opts.concurrency} concurrent stream(s), {opts.max_tokens} new tokens, "
+          "variants interleaved round-robin\n")
+    print("| variant | output tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | tok/s / in-process "
+          "| TTFT p50 - in-process ms |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|")
+    for name, recs in records.items():
+        ttfts = [r.ttft for r in recs if r.ttft is not None]
+        itls = [x for r in recs for x in itl_samples(r)]
+        p50, tps = percentile(ttfts, 50), _tokens(recs) / walls[name]
+        failed = sum(1 for r in recs if r.error)
+        print(f"| {name}{f' ({failed} failed)' if failed else ''} | {tps:.1f} | {p50 * 1e3:.1f} | "
+              f"{percentile(ttfts, 95) * 1e3:.1f} | {percentile(itls, 50) * 1e3:.1f} | "
+              f"{percentile(itls, 95) * 1e3:.1f} | {tps / base_tps:.2f}x | {(p50 - base) * 1e3:+.1f} |")
+    if opts.out:
+        opts.out.write_text(json.dumps({n: [r.to_dict() for r in rs] for n, rs in records.items()}))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=1, help="concurrent streams per round (default 1)")
+    parser.add_argument("--out", type=Path)
+    asyncio.run(main(parser.parse_args()))
