@@ -125,9 +125,9 @@ class PromptRenderer:
         fitted = [fit_pixels(image, self.image_max_pixels, self.image_min_pixels) for image in images]
         try:
             out = self.processor(text=text, images=fitted, add_special_tokens=False, return_tensors="pt")
-        except (ValueError, TypeError, IndexError, RuntimeError) as exc:
-            raise InvalidRequestError(f"the model's processor could not take the prompt and its images: {exc}",
-                                      param="messages") from exc
+        except Exception as exc:  # processors raise ValueError, IndexError, StopIteration... on bad input
+            raise InvalidRequestError(f"the model's processor could not take the prompt and its images: "
+                                      f"{type(exc).__name__}: {exc}", param="messages") from exc
         prompt_ids = out["input_ids"][0].tolist()
         model_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
         placeholder_ids = self.tokenizer.encode(text, add_special_tokens=False)
