@@ -143,3 +143,100 @@ def test_text_only_engine_refuses_images_naming_the_model(hf_engine, vlm_rendere
     ids, media = vlm_renderer.render_chat_with_images(ask(RED), [RED])
     with pytest.raises(NotSupportedError, match=f"model {str(model_dir)!r} does not accept images"):
         run(collect(hf_engine, GenerationRequest("x", ids[:10], SamplingParams(max_tokens=2), media=media)))
+
+
+# ---- through the API (a real local Ray cluster, the official client) -----------------------
+
+
+@pytest.fixture(scope="module")
+def vlm_clients(serve_url, tiny_vlm_dir, tmp_path_factory):
+    """Two apps beside the default one, each serving the tiny VLM as `tiny-vlm`: `/mm` with the
+    default media settings (data URLs only) and `/mm-open` allowing remote URLs and local files
+    under a directory holding `red.png`. Yields (default client, open client, that directory)."""
+    import openai
+    from ray import serve
+
+    from conftest import TEST_API_KEY, png_bytes
+    from deployments.app import build_app
+
+    media_dir = tmp_path_factory.mktemp("media")
+    (media_dir / "red.png").write_bytes(png_bytes((255, 0, 0)))
+    model = {"model_id": "tiny-vlm", "model_name_or_path": str(tiny_vlm_dir),
+             "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}}
+    apps = {"mm": {}, "mm-open": {"allow_remote_media": True, "allowed_local_media_path": str(media_dir)}}
+    try:
+        for name, media in apps.items():
+            serve.run(build_app({"models": [model], "api_keys": [TEST_API_KEY], "media": media}),
+                      name=name, route_prefix=f"/{name}")
+        yield tuple(openai.OpenAI(base_url=f"{serve_url}/{name}/v1", api_key=TEST_API_KEY, max_retries=0,
+                                  timeout=120) for name in apps) + (media_dir,)
+    finally:
+        for name in apps:
+            serve.delete(name)
+
+
+def image_message(url, text="What is in the picture?"):
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": url, "detail": "low"}}]}]
+
+
+def api_greedy(client, url, **kwargs):
+    return client.chat.completions.create(model="tiny-vlm", messages=image_message(url), temperature=0,
+                                          max_tokens=8, **kwargs)
+
+
+def test_data_url_through_the_api(vlm_clients):
+    from conftest import data_url, png_bytes
+
+    client = vlm_clients[0]
+    red, blue = data_url(png_bytes((255, 0, 0))), data_url(png_bytes((0, 0, 255)))
+    resp = api_greedy(client, red)
+    assert resp.choices[0].message.content and resp.usage.prompt_tokens > TOKENS_PER_IMAGE
+    assert api_greedy(client, blue).choices[0].message.content != resp.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="tiny-vlm", messages=image_message(red), temperature=0,
+                                                 max_tokens=8, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == resp.choices[0].message.content
+
+
+def test_remote_and_local_images_refused_by_default_allowed_when_enabled(vlm_clients, image_server):
+    import openai
+
+    from conftest import data_url, png_bytes
+
+    closed, opened, media_dir = vlm_clients
+    expected = api_greedy(closed, data_url(png_bytes((255, 0, 0)))).choices[0].message.content
+    for url, setting in ((image_server + "/red.png", "allow_remote_media"),
+                         (str(media_dir / "red.png"), "allowed_local_media_path"),
+                         ((media_dir / "red.png").as_uri(), "allowed_local_media_path")):
+        with pytest.raises(openai.BadRequestError) as info:
+            api_greedy(closed, url)
+        assert info.value.body["param"] == "messages" and setting in info.value.body["message"]
+        # the same bytes from elsewhere give the same answer as the data URL
+        assert api_greedy(opened, url).choices[0].message.content == expected
+    with pytest.raises(openai.BadRequestError) as info:
+        api_greedy(opened, "/etc/hostname")
+    assert "outside the allowed local media path" in info.value.body["message"]
+
+
+@pytest.mark.parametrize("content,message", [
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], "cannot decode the image"),
+    ([{"type": "image_url", "image_url": {}}], "needs `image_url"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}] * 9, "at most 8"),
+])
+def test_bad_images_through_the_api_are_400(vlm_clients, content, message):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        vlm_clients[0].chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": content}])
+    assert info.value.body["param"] == "messages" and message in info.value.body["message"]
+
+
+def test_text_only_model_with_an_image_is_400_naming_it(client):
+    import openai
+
+    from conftest import data_url, png_bytes
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2", messages=image_message(data_url(png_bytes((1, 2, 3)))))
+    body = info.value.body
+    assert body["param"] == "messages" and "model 'smollm2' does not accept images" in body["message"]
