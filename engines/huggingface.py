@@ -107,6 +107,7 @@ class HuggingFaceEngine(Engine):
         self._info: ModelInfo | None = None
         self._eos_ids: set[int] = set()
         self._accepts_images = False
+        self._mrope = False
         self.model_path: Path | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -136,6 +137,8 @@ class HuggingFaceEngine(Engine):
             model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=self.config.trust_remote_code)
         except Exception as exc:
             raise ModelLoadError(f"could not load model from {path!r}: {type(exc).__name__}: {exc}") from exc
+        # Qwen2-VL and kin compute 3-D rotary positions for images (`get_rope_index`).
+        self._mrope = self._accepts_images and any(callable(getattr(m, "get_rope_index", None)) for m in model.modules())
         model = self._load_adapters(model)
         self._model = model.to(device).eval()
         try:
@@ -251,6 +254,11 @@ class HuggingFaceEngine(Engine):
         if not self._accepts_images:
             raise NotSupportedError(f"model {self.config.model_name_or_path!r} does not accept images",
                                     param="messages")
+        if self._mrope:
+            # Batched decode passes 1-D positions; these models need their 3-D image positions.
+            raise NotSupportedError(f"images on model {self.config.model_name_or_path!r} (multimodal rotary "
+                                    "positions, Qwen2-VL style) are not supported by the huggingface backend; "
+                                    "use infer_backend: vllm", param="messages")
         model = self._model
         return {k: v.to(model.device, dtype=model.dtype if v.is_floating_point() else v.dtype)
                 if hasattr(v, "to") else v for k, v in request.media.model_inputs.items()}

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from conftest import collect, run
-from engines.base import GenerationRequest, InvalidRequestError, NotSupportedError, SamplingParams
+from engines.base import GenerationRequest, InvalidRequestError, MediaInput, NotSupportedError, SamplingParams
 from tiny_vlm import IMAGE_TOKEN, TOKENS_PER_IMAGE
 
 pytestmark = pytest.mark.slow
@@ -240,3 +240,20 @@ def test_text_only_model_with_an_image_is_400_naming_it(client):
         client.chat.completions.create(model="smollm2", messages=image_message(data_url(png_bytes((1, 2, 3)))))
     body = info.value.body
     assert body["param"] == "messages" and "model 'smollm2' does not accept images" in body["message"]
+
+
+def test_qwen2_vl_style_model_refuses_images_on_huggingface(model_dir, tmp_path):
+    """Its 3-D image positions are not what the batched decode passes: refused, not answered wrongly."""
+    from engines.config import EngineConfig
+    from engines.huggingface import HuggingFaceEngine
+    from tiny_vlm import build_tiny_qwen2_vl
+
+    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(build_tiny_qwen2_vl(tmp_path / "qwen", model_dir))))
+    run(engine.start())
+    try:
+        media = MediaInput(images=[RED], placeholder_prompt_ids=[1, 2])
+        with pytest.raises(NotSupportedError, match="use infer_backend: vllm"):
+            run(collect(engine, GenerationRequest("q", [1, 2, 3], SamplingParams(max_tokens=2), media=media)))
+        assert run(collect(engine, GenerationRequest("q", [1, 2, 3], SamplingParams(max_tokens=2))))[-1].usage
+    finally:
+        run(engine.shutdown())

@@ -54,3 +54,22 @@ def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out
+
+
+def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2-VL (multimodal rotary positions) with the default model's tokenizer;
+    model files only (no processor): enough to load it on the huggingface backend."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2))
+    torch.manual_seed(seed)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
