@@ -6,6 +6,7 @@ Slow fixtures are session-scoped: the model loads once and Ray starts once per t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from typing import Any
@@ -56,15 +57,24 @@ def lora_dir(model_dir, tmp_path_factory):
     return out
 
 
+@contextlib.contextmanager
+def started_engine(**config):
+    """A started engine for `EngineConfig(**config)`, shut down on leaving."""
+    from engines import create_engine
+    from engines.config import EngineConfig
+
+    engine = create_engine(EngineConfig(**config))
+    run(engine.start())
+    try:
+        yield engine
+    finally:
+        run(engine.shutdown())
+
+
 @pytest.fixture(scope="session")
 def hf_engine(model_dir):
-    from engines.config import EngineConfig
-    from engines.huggingface import HuggingFaceEngine
-
-    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir)))
-    run(engine.start())
-    yield engine
-    run(engine.shutdown())
+    with started_engine(model_name_or_path=str(model_dir)) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")

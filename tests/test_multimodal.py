@@ -3,10 +3,11 @@ tiny random-weight LLaVA (tests/tiny_vlm.py; no real VLM weights are reachable o
 
 import asyncio
 
+import openai
 import pytest
 from PIL import Image
 
-from conftest import collect, run
+from conftest import TEST_API_KEY, collect, data_url, png_bytes, run, started_engine
 from engines.base import GenerationRequest, InvalidRequestError, MediaInput, NotSupportedError, SamplingParams
 from tiny_vlm import IMAGE_TOKEN, TOKENS_PER_IMAGE
 
@@ -33,13 +34,8 @@ def vlm_renderer(tiny_vlm_dir):
 
 @pytest.fixture(scope="module")
 def vlm_engine(tiny_vlm_dir):
-    from engines.config import EngineConfig
-    from engines.huggingface import HuggingFaceEngine
-
-    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(tiny_vlm_dir)))
-    run(engine.start())
-    yield engine
-    run(engine.shutdown())
+    with started_engine(model_name_or_path=str(tiny_vlm_dir)) as engine:
+        yield engine
 
 
 # ---- renderer ----------------------------------------------------------------------------
@@ -127,16 +123,9 @@ def test_image_request_with_n_choices_and_seed(vlm_engine, vlm_renderer):
 
 
 def test_without_kv_cache_the_image_is_seen_at_every_step(tiny_vlm_dir, vlm_engine, vlm_renderer):
-    from engines.config import EngineConfig
-    from engines.huggingface import HuggingFaceEngine
-
-    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(tiny_vlm_dir), use_kv_cache=False))
-    run(engine.start())
-    try:
+    with started_engine(model_name_or_path=str(tiny_vlm_dir), use_kv_cache=False) as engine:
         assert text_of(greedy(engine, vlm_renderer, [BLUE], max_tokens=6)) == \
             text_of(greedy(vlm_engine, vlm_renderer, [BLUE], max_tokens=6))
-    finally:
-        run(engine.shutdown())
 
 
 def test_text_only_engine_refuses_images_naming_the_model(hf_engine, vlm_renderer, model_dir):
@@ -153,10 +142,8 @@ def vlm_clients(serve_url, tiny_vlm_dir, tmp_path_factory):
     """Two apps beside the default one, each serving the tiny VLM as `tiny-vlm`: `/mm` with the
     default media settings (data URLs only) and `/mm-open` allowing remote URLs and local files
     under a directory holding `red.png`. Yields (default client, open client, that directory)."""
-    import openai
     from ray import serve
 
-    from conftest import TEST_API_KEY, png_bytes
     from deployments.app import build_app
 
     media_dir = tmp_path_factory.mktemp("media")
@@ -186,8 +173,6 @@ def api_greedy(client, url, **kwargs):
 
 
 def test_data_url_through_the_api(vlm_clients):
-    from conftest import data_url, png_bytes
-
     client = vlm_clients[0]
     red, blue = data_url(png_bytes((255, 0, 0))), data_url(png_bytes((0, 0, 255)))
     resp = api_greedy(client, red)
@@ -199,10 +184,6 @@ def test_data_url_through_the_api(vlm_clients):
 
 
 def test_remote_and_local_images_refused_by_default_allowed_when_enabled(vlm_clients, image_server):
-    import openai
-
-    from conftest import data_url, png_bytes
-
     closed, opened, media_dir = vlm_clients
     expected = api_greedy(closed, data_url(png_bytes((255, 0, 0)))).choices[0].message.content
     for url, setting in ((image_server + "/red.png", "allow_remote_media"),
@@ -224,18 +205,12 @@ def test_remote_and_local_images_refused_by_default_allowed_when_enabled(vlm_cli
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}] * 9, "at most 8"),
 ])
 def test_bad_images_through_the_api_are_400(vlm_clients, content, message):
-    import openai
-
     with pytest.raises(openai.BadRequestError) as info:
         vlm_clients[0].chat.completions.create(model="tiny-vlm", messages=[{"role": "user", "content": content}])
     assert info.value.body["param"] == "messages" and message in info.value.body["message"]
 
 
 def test_text_only_model_with_an_image_is_400_naming_it(client):
-    import openai
-
-    from conftest import data_url, png_bytes
-
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="smollm2", messages=image_message(data_url(png_bytes((1, 2, 3)))))
     body = info.value.body
@@ -244,16 +219,10 @@ def test_text_only_model_with_an_image_is_400_naming_it(client):
 
 def test_qwen2_vl_style_model_refuses_images_on_huggingface(model_dir, tmp_path):
     """Its 3-D image positions are not what the batched decode passes: refused, not answered wrongly."""
-    from engines.config import EngineConfig
-    from engines.huggingface import HuggingFaceEngine
     from tiny_vlm import build_tiny_qwen2_vl
 
-    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(build_tiny_qwen2_vl(tmp_path / "qwen", model_dir))))
-    run(engine.start())
-    try:
+    with started_engine(model_name_or_path=str(build_tiny_qwen2_vl(tmp_path / "qwen", model_dir))) as engine:
         media = MediaInput(images=[RED], placeholder_prompt_ids=[1, 2])
         with pytest.raises(NotSupportedError, match="use infer_backend: vllm"):
             run(collect(engine, GenerationRequest("q", [1, 2, 3], SamplingParams(max_tokens=2), media=media)))
         assert run(collect(engine, GenerationRequest("q", [1, 2, 3], SamplingParams(max_tokens=2))))[-1].usage
-    finally:
-        run(engine.shutdown())
