@@ -46,13 +46,14 @@ class AppArgs(BaseModel):
     max_request_body_bytes: int | None = None
     request_timeout_s: float | None = None
     log_prompts: bool | None = None
+    media: dict[str, Any] | None = Field(None, description="`MediaSettings` fields (engines/media.py)")
     ingress_deployment: dict[str, Any] = Field(default_factory=dict)
 
     def ingress_settings(self) -> dict[str, Any]:
         """The `IngressSettings` fields that are set here; the rest come from the environment
         of the ingress replica."""
         fields = ("api_keys", "api_key_file", "cors_allow_origins", "max_request_body_bytes",
-                  "request_timeout_s", "log_prompts")
+                  "request_timeout_s", "log_prompts", "media")
         return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 

@@ -64,8 +64,10 @@ from deployments.protocol import (
     UsageInfo,
 )
 from engines import engine_capabilities
-from engines.base import Capabilities, GenerationDelta, GenerationRequest, NotSupportedError, TokenLogprob, Usage
+from engines.base import (Capabilities, GenerationDelta, GenerationRequest, MediaInput, NotSupportedError, TokenLogprob,
+                          Usage)
 from engines.config import EngineConfig
+from engines.media import ImageLoader, image_parts
 from engines.model_source import resolve_model_path
 from engines.prompt import PromptRenderer
 
@@ -141,6 +143,7 @@ class OpenAIIngress:
         self.settings = IngressSettings.model_validate(settings or {})
         self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), handles[mid]) for mid, cfg in models.items()}
         self.api_keys = [k.encode() for k in self.settings.resolve_api_keys()]
+        self.image_loader = ImageLoader(self.settings.media)
         # One model at a time: transformers' lazy imports are not thread-safe on first use (two
         # renderers loading at once in a fresh process fail with "cannot import name 'AutoTokenizer'").
         for entry in self.models.values():
@@ -163,6 +166,7 @@ class OpenAIIngress:
         entry.renderer = await asyncio.to_thread(
             PromptRenderer.from_pretrained, path, template=cfg.template, default_system=cfg.default_system,
             enable_thinking=cfg.enable_thinking, trust_remote_code=cfg.trust_remote_code,
+            image_max_pixels=cfg.image_max_pixels, image_min_pixels=cfg.image_min_pixels,
         )
 
     # ---- helpers -------------------------------------------------------------------------
@@ -211,6 +215,32 @@ class OpenAIIngress:
         for feature, wanted in wants.items():
             if wanted and not getattr(caps, feature):
                 raise NotSupportedError(f"{feature} is not supported by the {caps.backend} backend", param=feature)
+
+    async def _render_chat(self, entry: _ModelEntry, body: ChatCompletionRequest,
+                           messages: list[dict]) -> tuple[list[int], MediaInput | None]:
+        """Prompt token ids of a chat request and, when it has `image_url` parts, its loaded
+        images (engines/media.py: sources and limits from `settings.media`).
+
+        Raises:
+            NotSupportedError: images for a text-only model (naming it) or for a backend
+                without image support (naming the backend).
+            InvalidRequestError: an image that is not allowed, too large, or unreadable.
+        """
+        tools = body.tools if body.tools_enabled else None
+        kwargs = body.chat_template_kwargs or {}
+        parts = image_parts(messages)
+        if not parts:
+            ids = await asyncio.to_thread(entry.renderer.render_chat, messages, tools=tools, **kwargs)
+            return ids, None
+        if not entry.renderer.accepts_images:
+            raise NotSupportedError(f"model {entry.model_id!r} does not accept images (it is not a "
+                                    "vision-language model); send text only", param="messages")
+        if not entry.capabilities.images:
+            raise NotSupportedError(f"images are not supported by the {entry.capabilities.backend} backend",
+                                    param="messages")
+        images = await self.image_loader.load(parts)
+        return await asyncio.to_thread(entry.renderer.render_chat_with_images, messages, images, tools=tools,
+                                       **kwargs)
 
     @staticmethod
     def _request_id(request: Request, prefix: str) -> str:
@@ -322,14 +352,12 @@ class OpenAIIngress:
         self._label_request(request, entry)
         self._check_capabilities(entry, body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        prompt_ids = await asyncio.to_thread(
-            entry.renderer.render_chat, messages, tools=body.tools if body.tools_enabled else None,
-            **(body.chat_template_kwargs or {}),
-        )
+        prompt_ids, media = await self._render_chat(entry, body, messages)
         request_id = self._request_id(request, "chatcmpl")
         if self.settings.log_prompts:
             logger.info("%s messages=%r", request_id, messages)
-        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name)
+        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name,
+                                        media=media)
         created = int(time.time())
         if body.stream:
             first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
+from engines.media import MediaSettings
+
 
 def _env_list(name: str) -> list[str]:
     return [v.strip() for v in os.environ.get(name, "").split(",") if v.strip()]
@@ -34,6 +36,8 @@ class IngressSettings(BaseModel):
     log_prompts: bool = Field(
         default_factory=lambda: os.environ.get("LMSERVE_LOG_PROMPTS", "") in ("1", "true"),
         description="Debug only: log prompts and completions.")
+    media: MediaSettings = Field(default_factory=MediaSettings,
+                                 description="Where image_url content parts may come from, and their limits.")
 
     @field_validator("api_keys", "cors_allow_origins", mode="before")
     @classmethod

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal
+from typing import Any, AsyncIterator, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -101,13 +101,33 @@ class SamplingParams:
 
 
 @dataclass
+class MediaInput:
+    """The images of a chat request, rendered once (engines/prompt.py) for every backend.
+
+    `images`: decoded RGB `PIL.Image`s in prompt order (already bounded by the config's
+    `image_max_pixels`/`image_min_pixels`). `placeholder_prompt_ids`: the chat template's output
+    with one image token per image, for engines that expand placeholders themselves (vLLM,
+    SGLang). `model_inputs`: the model processor's tensors besides the token ids (e.g.
+    `pixel_values` `[num_images, 3, H, W]`, float32 on CPU), for transformers engines, whose
+    prompt is `GenerationRequest.prompt_token_ids` with every placeholder already expanded to
+    the model's number of image tokens.
+    """
+
+    images: list[Any]
+    placeholder_prompt_ids: list[int]
+    model_inputs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class GenerationRequest:
-    """One generation: prompt token ids (shape `[prompt_len]`), sampling params and an ID."""
+    """One generation: prompt token ids (shape `[prompt_len]`, image placeholders expanded),
+    sampling params, an ID, an optional LoRA adapter name and optional images (`media`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     lora_name: str | None = None
+    media: MediaInput | None = None
 
 
 @dataclass
@@ -194,6 +214,7 @@ class Capabilities:
     lora: bool = False
     response_format: bool = False
     tools_in_template: bool = True
+    images: bool = False  # image content parts (`GenerationRequest.media`) reach the model
 
 
 @dataclass(frozen=True)

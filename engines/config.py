@@ -63,8 +63,6 @@ _INERT_FIELDS: dict[str, Any] = {
     "quantization_type": "nf4",
     "double_quantization": True,
     "quantization_device_map": None,
-    "image_max_pixels": 768 * 768,
-    "image_min_pixels": 32 * 32,
     "image_do_pan_and_scan": False,
     "crop_to_patches": False,
     "video_max_pixels": 256 * 256,
@@ -128,6 +126,11 @@ class EngineConfig(BaseModel):
     hf_max_batch_tokens: int = Field(
         65536, ge=1, description="Most tokens (prompt + max new tokens, per sequence) reserved by the "
         "running batch; bounds KV cache memory. Requests beyond either limit wait in the replica.")
+
+    # --- images (LLaMA-Factory ProcessorArguments), vision-language models only ---
+    image_max_pixels: int = Field(768 * 768, gt=0, description="Larger images are scaled down to this many "
+                                  "pixels (width x height) before the model's processor.")
+    image_min_pixels: int = Field(32 * 32, gt=0, description="Smaller images are scaled up to this many pixels.")
 
     # --- vLLM (LLaMA-Factory VllmArguments) ---
     vllm_maxlen: int = Field(4096, gt=0)

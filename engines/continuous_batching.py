@@ -12,6 +12,11 @@ KV cache is a transformers `DynamicCache`. Each scheduler step:
    attention mask that hides the padding, then samples each row with its own parameters and
    random generator.
 
+A request with images (`model_inputs`, e.g. `pixel_values`) is prefilled alone, with its
+processor tensors, because how a vision-language model lays out several requests' images in one
+forward pass differs per architecture; its rows then join the batch and decode like any other
+(the image lives on in the KV cache).
+
 New requests thus join between decode steps, as in vLLM's scheduler; each request still gets
 its tokens as they are produced through its `emit` callback. Sampling follows transformers'
 logits processors (repetition penalty, temperature, top-k, top-p, min-p) plus OpenAI's presence
@@ -54,6 +59,7 @@ class BatchRequest:
     generator: torch.Generator
     emit: Callable[[list[TokenEvent] | BaseException], None]
     lora_name: str | None = None
+    model_inputs: dict[str, Any] | None = None  # processor tensors of the images, on the model's device
     cancelled: bool = False
     finished_choices: set[int] = field(default_factory=set)
 
@@ -193,6 +199,8 @@ class ContinuousBatcher:
                 fits = rows + n <= self.max_num_seqs and reserved + request.reserved_tokens <= self.max_batch_tokens
                 if not fits and (rows or admitted):
                     break
+                if admitted and (request.model_inputs or admitted[0].model_inputs):
+                    break  # a request with images is prefilled alone
                 self._waiting.popleft()
                 admitted.append(request)
                 rows += n
@@ -232,8 +240,9 @@ class ContinuousBatcher:
             ids[i, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
             mask[i, width - len(request.prompt_ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        media = admitted[0].model_inputs or {}  # only set when it was admitted alone
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=self.use_kv_cache,
-                         **self._adapter_kwargs(admitted))
+                         **media, **self._adapter_kwargs(admitted))
         repeat = torch.tensor([r.params.n for r in admitted], device=self.device)
         row_of = torch.repeat_interleave(torch.arange(len(admitted), device=self.device), repeat)
         logits = out.logits[:, -1, :].float().index_select(0, row_of)
@@ -296,7 +305,8 @@ class ContinuousBatcher:
 
     def _full_forward(self, row: _Row) -> torch.Tensor:
         ids = torch.tensor([row.request.prompt_ids + row.generated], device=self.device)
-        return self.model(input_ids=ids, use_cache=False, **self._adapter_kwargs([row.request])).logits[:, -1, :].float()
+        return self.model(input_ids=ids, use_cache=False, **(row.request.model_inputs or {}),
+                          **self._adapter_kwargs([row.request])).logits[:, -1, :].float()
 
     def _adapter_kwargs(self, requests: list[BatchRequest]) -> dict:
         if not self._mixed_adapters:

@@ -26,6 +26,7 @@ from engines.base import (
     InvalidRequestError,
     ModelInfo,
     ModelLoadError,
+    NotSupportedError,
     SamplingParams,
     TokenLogprob,
     Usage,
@@ -96,7 +97,7 @@ class HuggingFaceEngine(Engine):
         config: the model's `EngineConfig` (`infer_backend: huggingface`).
     """
 
-    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False)
+    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False, images=True)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -105,6 +106,8 @@ class HuggingFaceEngine(Engine):
         self._tokenizer: Any = None
         self._info: ModelInfo | None = None
         self._eos_ids: set[int] = set()
+        self._accepts_images = False
+        self._mrope = False
         self.model_path: Path | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -119,7 +122,8 @@ class HuggingFaceEngine(Engine):
 
     def _load(self) -> None:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                                  GenerationConfig)
 
         path = str(self.model_path)
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,10 +131,14 @@ class HuggingFaceEngine(Engine):
             model_config = AutoConfig.from_pretrained(path, trust_remote_code=self.config.trust_remote_code)
             dtype = pick_dtype(self.config.infer_dtype, getattr(model_config, "dtype", None), device)
             self._tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                         trust_remote_code=self.config.trust_remote_code)
+            # A vision-language model (LLaVA, Idefics3, ...) loads with its vision tower.
+            self._accepts_images = getattr(model_config, "vision_config", None) is not None
+            auto_class = AutoModelForImageTextToText if self._accepts_images else AutoModelForCausalLM
+            model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=self.config.trust_remote_code)
         except Exception as exc:
             raise ModelLoadError(f"could not load model from {path!r}: {type(exc).__name__}: {exc}") from exc
+        # Qwen2-VL and kin compute 3-D rotary positions for images (`get_rope_index`).
+        self._mrope = self._accepts_images and any(callable(getattr(m, "get_rope_index", None)) for m in model.modules())
         model = self._load_adapters(model)
         self._model = model.to(device).eval()
         try:
@@ -140,7 +148,7 @@ class HuggingFaceEngine(Engine):
             eos = None
         eos_list = eos if isinstance(eos, list) else [eos]
         self._eos_ids = {int(t) for t in eos_list + [self._tokenizer.eos_token_id] if t is not None}
-        max_len = getattr(model_config, "max_position_embeddings", None) or 4096
+        max_len = getattr(model_config.get_text_config(), "max_position_embeddings", None) or 4096
         self._info = ModelInfo(max_model_len=int(max_len), dtype=str(dtype).removeprefix("torch."),
                                device=device)
         logger.info("loaded %s on %s as %s", path, device, dtype)
@@ -201,7 +209,7 @@ class HuggingFaceEngine(Engine):
         batch_request = BatchRequest(
             request_id=request.request_id, prompt_ids=state.prompt_ids, params=state.params,
             max_tokens=state.max_tokens, eos_ids=state.eos_ids, generator=state.generator,
-            lora_name=request.lora_name,
+            lora_name=request.lora_name, model_inputs=self._model_inputs(request),
             emit=lambda items: loop.call_soon_threadsafe(events.put_nowait, items),
         )
         self._batcher.submit(batch_request)
@@ -234,6 +242,26 @@ class HuggingFaceEngine(Engine):
                     return
         finally:
             self._batcher.cancel(batch_request)
+
+    def _model_inputs(self, request: GenerationRequest) -> dict[str, Any] | None:
+        """The request's processor tensors on the model's device, floating ones in its dtype.
+
+        Raises:
+            NotSupportedError: images for a text-only model, naming it.
+        """
+        if request.media is None:
+            return None
+        if not self._accepts_images:
+            raise NotSupportedError(f"model {self.config.model_name_or_path!r} does not accept images",
+                                    param="messages")
+        if self._mrope:
+            # Batched decode passes 1-D positions; these models need their 3-D image positions.
+            raise NotSupportedError(f"images on model {self.config.model_name_or_path!r} (multimodal rotary "
+                                    "positions, Qwen2-VL style) are not supported by the huggingface backend; "
+                                    "use infer_backend: vllm", param="messages")
+        model = self._model
+        return {k: v.to(model.device, dtype=model.dtype if v.is_floating_point() else v.dtype)
+                if hasattr(v, "to") else v for k, v in request.media.model_inputs.items()}
 
     def _new_state(self, request: GenerationRequest) -> _RequestState:
         import torch

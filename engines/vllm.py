@@ -195,7 +195,7 @@ class VLLMEngine(Engine):
     one); another loop gets `EngineUnavailableError`.
     """
 
-    capabilities = Capabilities(backend="vllm", logprobs=True, lora=True, response_format=False)
+    capabilities = Capabilities(backend="vllm", logprobs=True, lora=True, response_format=False, images=True)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -329,7 +329,6 @@ class VLLMEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         from vllm.exceptions import VLLMClientError
-        from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
         from vllm.sampling_params import SamplingParams as VLLMSamplingParams
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -360,8 +359,7 @@ class VLLMEngine(Engine):
             raise InvalidRequestError(str(exc), param=getattr(exc, "parameter", None)) from None
 
         choices = [_Choice() for _ in range(params.n)]
-        stream = llm.generate(tokens_input(prompt_ids), vllm_params, request.request_id,
-                              lora_request=lora_request)
+        stream = llm.generate(_prompt(request), vllm_params, request.request_id, lora_request=lora_request)
         # aclosing: when our consumer closes us (client gone), vLLM's generator is closed at once
         # and aborts the request in the engine core, instead of whenever it is garbage collected.
         async with aclosing(stream):
@@ -421,6 +419,19 @@ class VLLMEngine(Engine):
             if chosen is not None:
                 result.append(TokenLogprob(token_id, chosen.decoded_token or "", chosen.logprob, alternatives))
         return result
+
+
+def _prompt(request: GenerationRequest) -> Any:
+    """vLLM's input for a request: the token ids as they are, or, with images, a `TokensPrompt`
+    of the template's ids with one placeholder per image plus the PIL images; vLLM's own
+    multimodal processor expands the placeholders (it would expand already expanded ones
+    again) and computes the pixel values."""
+    from vllm.inputs import tokens_input
+
+    if request.media is None:
+        return tokens_input(list(request.prompt_token_ids))
+    return {"prompt_token_ids": list(request.media.placeholder_prompt_ids),
+            "multi_modal_data": {"image": list(request.media.images)}}
 
 
 def _env_summary() -> str:

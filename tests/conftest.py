@@ -6,6 +6,7 @@ Slow fixtures are session-scoped: the model loads once and Ray starts once per t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from typing import Any
@@ -56,15 +57,24 @@ def lora_dir(model_dir, tmp_path_factory):
     return out
 
 
+@contextlib.contextmanager
+def started_engine(**config):
+    """A started engine for `EngineConfig(**config)`, shut down on leaving."""
+    from engines import create_engine
+    from engines.config import EngineConfig
+
+    engine = create_engine(EngineConfig(**config))
+    run(engine.start())
+    try:
+        yield engine
+    finally:
+        run(engine.shutdown())
+
+
 @pytest.fixture(scope="session")
 def hf_engine(model_dir):
-    from engines.config import EngineConfig
-    from engines.huggingface import HuggingFaceEngine
-
-    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir)))
-    run(engine.start())
-    yield engine
-    run(engine.shutdown())
+    with started_engine(model_name_or_path=str(model_dir)) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")
@@ -166,3 +176,69 @@ def metric_names(url: str) -> set[str]:
 
     text = httpx.get(url, timeout=30).text
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(model_dir, tmp_path_factory):
+    """A tiny random-weight LLaVA model with the default model's tokenizer (tests/tiny_vlm.py)."""
+    from tiny_vlm import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("vlm") / "tiny-llava", model_dir)
+
+
+def png_bytes(color: tuple[int, int, int], size: tuple[int, int] = (40, 30)) -> bytes:
+    """A solid-colour PNG image."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+SLOW_IMAGE_DELAY_S = 3.0
+
+
+@pytest.fixture(scope="session")
+def image_server():
+    """A local HTTP server (a real `http.server` in a thread) with `/red.png`, `/blue.png`,
+    `/slow.png` (answers after SLOW_IMAGE_DELAY_S), `/text.png` (not an image) and
+    `/big.png` (200 kB); anything else is 404. Yields its base URL."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    routes = {"/red.png": png_bytes((255, 0, 0)), "/blue.png": png_bytes((0, 0, 255)),
+              "/slow.png": png_bytes((0, 255, 0)), "/text.png": b"this is not an image",
+              "/big.png": bytes(200_000)}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = routes.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            if self.path == "/slow.png":
+                time.sleep(SLOW_IMAGE_DELAY_S)
+            self.send_response(200)
+            self.send_header("content-type", "image/png")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
