@@ -200,17 +200,18 @@ class OpenAIIngress:
         caps = entry.capabilities
         wants = {
             "logprobs": bool(getattr(req, "logprobs", None)) or bool(getattr(req, "top_logprobs", None)),
-            "response_format": (getattr(req, "response_format", None) or {}).get("type", "text") != "text",
+            "response_format": req.structured_output() is not None,
             "n": req.n > 1 and not caps.n,
             "seed": req.seed is not None and not caps.seed,
         }
         tool_choice = getattr(req, "tool_choice", None)
-        if tool_choice not in (None, "none", "auto") and not caps.response_format:
+        if tool_choice not in (None, "none", "auto") and not caps.forced_tool_choice:
             raise NotSupportedError(f"tool_choice={tool_choice!r} (forcing a tool call) is not supported by the "
                                     f"{caps.backend} backend; use 'auto' or 'none'", param="tool_choice")
         for feature, wanted in wants.items():
             if wanted and not getattr(caps, feature):
-                raise NotSupportedError(f"{feature} is not supported by the {caps.backend} backend", param=feature)
+                what = f"response_format type {req.response_format.type!r}" if feature == "response_format" else feature
+                raise NotSupportedError(f"{what} is not supported by the {caps.backend} backend", param=feature)
 
     @staticmethod
     def _request_id(request: Request, prefix: str) -> str:

@@ -26,6 +26,7 @@ from engines.base import (
     InvalidRequestError,
     ModelInfo,
     ModelLoadError,
+    NotSupportedError,
     SamplingParams,
     TokenLogprob,
     Usage,
@@ -245,6 +246,9 @@ class HuggingFaceEngine(Engine):
         )
         max_tokens = resolve_max_tokens(len(request.prompt_token_ids), params.max_tokens, cfg.max_new_tokens,
                                         self.model_info().max_model_len)
+        if params.structured_output is not None:  # the ingress refuses it first (Capabilities)
+            raise NotSupportedError("response_format (JSON output) is not supported by the huggingface backend",
+                                    param="response_format")
         if request.lora_name is not None and request.lora_name not in self.config.lora_adapters:
             raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
                                       f"{sorted(self.config.lora_adapters)}", param="model")
