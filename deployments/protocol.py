@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -288,6 +288,17 @@ class CompletionRequest(SamplingFields):
         return value
 
 
+class ScoreEvaluationRequest(OpenAIBaseModel):
+    """`POST /v1/score/evaluation` (LLaMA-Factory's `ScoreEvaluationRequest`, `api/protocol.py`):
+    texts to score with a reward model, each taken as it is (no chat template); `max_length`
+    truncates each to that many tokens. lmserve also accepts a missing `model` when one model
+    is served, and refuses empty texts by index."""
+
+    model: str | None = None
+    messages: list[Annotated[str, Field(min_length=1)]] = Field(..., min_length=1)
+    max_length: int | None = Field(None, ge=1)
+
+
 # ---- responses -----------------------------------------------------------------------------
 
 
@@ -372,3 +383,12 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class ScoreEvaluationResponse(BaseModel):
+    """LLaMA-Factory's `ScoreEvaluationResponse`: one float per text of the request, in order."""
+
+    id: str
+    object: Literal["score.evaluation"] = "score.evaluation"
+    model: str
+    scores: list[float]

@@ -249,6 +249,16 @@ class Engine(abc.ABC):
     def model_info(self) -> ModelInfo:
         """Facts about the loaded model; valid after `start`."""
 
+    async def score(self, texts: list[str], max_length: int | None = None) -> list[float]:
+        """Reward scores, one float per text (reward models only: `EngineConfig.stage` not `sft`).
+
+        Raises:
+            NotSupportedError: the backend cannot score, or this model is not a reward model.
+            InvalidRequestError: a text the model cannot score (no tokens, `max_length` too long).
+        """
+        raise NotSupportedError(f"scoring is not supported by the {self.capabilities.backend} backend",
+                                param="model")
+
     @property
     def num_running(self) -> int:
         """Requests being generated now (backends override)."""

@@ -97,7 +97,7 @@ class HuggingFaceEngine(Engine):
         config: the model's `EngineConfig` (`infer_backend: huggingface`).
     """
 
-    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False)
+    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False, scoring=True)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -107,11 +107,19 @@ class HuggingFaceEngine(Engine):
         self._info: ModelInfo | None = None
         self._eos_ids: set[int] = set()
         self.model_path: Path | None = None
+        self._reward: Any = None  # engines.reward.RewardModel when config.is_reward_model
+        self._score_lock = asyncio.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
+        if self.config.is_reward_model:  # scores only: no batcher (engines/reward.py)
+            from engines.reward import RewardModel
+
+            self._reward = await asyncio.to_thread(RewardModel.load, self.model_path, self.config)
+            self._info = self._reward.info
+            return
         await asyncio.to_thread(self._load)
         self._batcher = ContinuousBatcher(self._model, max_num_seqs=self.config.hf_max_num_seqs,
                                           max_batch_tokens=self.config.hf_max_batch_tokens,
@@ -172,6 +180,8 @@ class HuggingFaceEngine(Engine):
         return self._info
 
     async def check_health(self) -> None:
+        if self._reward is not None:
+            return
         if self._model is None or self._batcher is None:
             raise EngineUnavailableError("huggingface engine: model not loaded")
         if not self._batcher.alive:
@@ -180,7 +190,20 @@ class HuggingFaceEngine(Engine):
     async def shutdown(self) -> None:
         if self._batcher is not None:
             await asyncio.to_thread(self._batcher.stop)
-        self._model = None
+        self._model = self._reward = None
+
+    async def score(self, texts: list[str], max_length: int | None = None) -> list[float]:
+        """Reward scores (`engines.reward.RewardModel.score`), one request at a time.
+
+        Raises:
+            NotSupportedError: this model generates (its `stage` is `sft`).
+            InvalidRequestError: see `RewardModel.score`.
+        """
+        if self._reward is None:
+            raise NotSupportedError("this model generates text (stage 'sft'); only reward models score",
+                                    param="model")
+        async with self._score_lock:
+            return await asyncio.to_thread(self._reward.score, texts, max_length)
 
     @property
     def num_running(self) -> int:
@@ -195,6 +218,9 @@ class HuggingFaceEngine(Engine):
     # ---- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        if self._reward is not None:
+            raise NotSupportedError(f"this is a reward model (stage {self.config.stage!r}): it scores texts "
+                                    "and does not generate", param="model")
         await self.check_health()
         state = self._new_state(request)
         loop = asyncio.get_running_loop()

@@ -56,6 +56,34 @@ def lora_dir(model_dir, tmp_path_factory):
     return out
 
 
+def write_value_head(directory, hidden_size: int, seed: int = 4321) -> dict:
+    """Save a value head as LLaMA-Factory saves a reward model's (`value_head.safetensors` with
+    `v_head.summary.weight` `[1, hidden_size]` and `v_head.summary.bias` `[1]`), from `seed`;
+    returns the tensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    head = {"v_head.summary.weight": torch.randn(1, hidden_size, generator=gen) / hidden_size ** 0.5,
+            "v_head.summary.bias": torch.randn(1, generator=gen)}
+    save_file(head, str(directory / "value_head.safetensors"), metadata={"format": "pt"})
+    return head
+
+
+@pytest.fixture(scope="session")
+def reward_dir(model_dir, tmp_path_factory):
+    """A reward model made from the default model, laid out as LLaMA-Factory's full-tuning reward
+    stage leaves one: the model's files (linked) plus a fixed-seed `value_head.safetensors`."""
+    import json
+
+    out = tmp_path_factory.mktemp("reward") / "smollm2-rm"
+    out.mkdir()
+    for path in model_dir.iterdir():
+        (out / path.name).symlink_to(path)
+    write_value_head(out, json.loads((model_dir / "config.json").read_text())["hidden_size"])
+    return out
+
+
 @pytest.fixture(scope="session")
 def hf_engine(model_dir):
     from engines.config import EngineConfig
