@@ -213,22 +213,33 @@ class OpenAIIngress:
 
     @classmethod
     def _check_capabilities(cls, entry: _ModelEntry, req: SamplingFields) -> None:
+        """Refuse, naming feature and backend, what the request needs and the backend's
+        `Capabilities` lack (every flag a request can ask for; engines/capabilities.py lists them)."""
         cls._check_route(entry, scoring=False)
         caps = entry.capabilities
-        wants = {
-            "logprobs": bool(getattr(req, "logprobs", None)) or bool(getattr(req, "top_logprobs", None)),
-            "response_format": req.structured_output() is not None,
-            "n": req.n > 1 and not caps.n,
-            "seed": req.seed is not None and not caps.seed,
-        }
         tool_choice = getattr(req, "tool_choice", None)
-        if tool_choice not in (None, "none", "auto") and not caps.forced_tool_choice:
-            raise NotSupportedError(f"tool_choice={tool_choice!r} (forcing a tool call) is not supported by the "
-                                    f"{caps.backend} backend; use 'auto' or 'none'", param="tool_choice")
-        for feature, wanted in wants.items():
+        response_format = getattr(req, "response_format", None)
+        # capability -> (wanted by this request, the request field to name, how to say it)
+        wants = {
+            "streaming": (req.stream, "stream", "streaming"),
+            "n": (req.n > 1, "n", "n > 1"),
+            "seed": (req.seed is not None, "seed", "seed"),
+            "stop_strings": (bool(req.stop), "stop", "stop strings"),
+            "presence_frequency_penalty": (bool(req.presence_penalty or req.frequency_penalty), "presence_penalty",
+                                           "presence_penalty/frequency_penalty"),
+            "min_p": (req.min_p > 0, "min_p", "min_p"),
+            "lora": (entry.lora_name is not None, "model", "LoRA adapters"),
+            "logprobs": (req.num_logprobs() is not None, "logprobs", "logprobs"),
+            "response_format": (req.structured_output() is not None, "response_format",
+                                f"response_format type {getattr(response_format, 'type', None)!r}"),
+            "forced_tool_choice": (tool_choice not in (None, "none", "auto"), "tool_choice",
+                                   f"tool_choice={tool_choice!r} (forcing a tool call)"),
+            "tools_in_template": (bool(getattr(req, "tools_enabled", False)), "tools", "tools"),
+        }
+        for feature, (wanted, param, what) in wants.items():
             if wanted and not getattr(caps, feature):
-                what = f"response_format type {req.response_format.type!r}" if feature == "response_format" else feature
-                raise NotSupportedError(f"{what} is not supported by the {caps.backend} backend", param=feature)
+                hint = "; use 'auto' or 'none'" if feature == "forced_tool_choice" else ""
+                raise NotSupportedError(f"{what} is not supported by the {caps.backend} backend{hint}", param=param)
 
     @staticmethod
     def _request_id(request: Request, prefix: str) -> str:

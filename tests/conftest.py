@@ -70,6 +70,30 @@ def write_value_head(directory, hidden_size: int, seed: int = 4321) -> dict:
     return head
 
 
+def direct_scores(model_dir, head_dir, texts, max_length=None, adapter=None):
+    """Each text alone (no padding) through transformers with the value head applied by hand:
+    the head's output on the last hidden state at the last token (trl's ValueHead, LLaMA-Factory's
+    `_get_scores`)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    head = load_file(str(head_dir / "value_head.safetensors"))
+    out = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][:, :max_length]
+        with torch.no_grad():
+            hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
+        out.append(float(hidden @ head["v_head.summary.weight"][0] + head["v_head.summary.bias"][0]))
+    return out
+
+
 @pytest.fixture(scope="session")
 def reward_dir(model_dir, tmp_path_factory):
     """A reward model made from the default model, laid out as LLaMA-Factory's full-tuning reward
