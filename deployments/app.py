@@ -143,9 +143,12 @@ def parse_args(args: dict[str, Any]) -> tuple[AppArgs, dict[str, EngineConfig]]:
         if model_id in configs:
             raise ConfigError(f"models[{i}]: duplicate model_id {model_id!r}")
         try:
-            engine_class(config.infer_backend)  # fail now for a backend that is not built
+            engine = engine_class(config.infer_backend)  # fail now for a backend that is not built
         except NotImplementedError as exc:
             raise ConfigError(f"models[{i}]: {exc}") from None
+        if config.is_reward_model and not engine.capabilities.scoring:
+            raise ConfigError(f"models[{i}]: stage {config.stage!r} makes a reward model, which the "
+                              f"{config.infer_backend} backend cannot serve (use infer_backend: huggingface)")
         configs[model_id] = config
     return app_args, configs
 

@@ -1,7 +1,8 @@
 """Exceptions -> OpenAI error bodies and HTTP status codes, in one place.
 
 Callers raise; they never build error JSON by hand (the pattern of vLLM's OpenAI server).
-Status codes: validation 400, bad API key 401, unknown model 404 (`param="model"`), body too
+Status codes: validation 400, bad API key 401, unknown model 404 (`param="model"`), a route the
+model does not serve (generate on a reward model, score on a generating one) 405, body too
 large 413, overload/unavailable 503 (a full model deployment: with `Retry-After`), not
 implemented 501, anything else 500.
 """
@@ -77,6 +78,16 @@ class ModelNotFoundError(APIError):
     def __init__(self, model: str, available: list[str]):
         super().__init__(f"The model {model!r} does not exist. Available models: {', '.join(available)}",
                          param="model")
+
+
+class MethodNotAllowedError(APIError):
+    """The model cannot serve this route: a reward model asked to generate, or a generating model
+    asked to score. LLaMA-Factory answers both with 405 "Not allowed" (`api/app.py`); lmserve
+    says which route the model serves."""
+
+    status_code = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
 
 
 class RequestTimeoutError(APIError):

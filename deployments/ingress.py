@@ -17,7 +17,6 @@ import copy
 import hmac
 import json
 import logging
-import os
 import time
 import uuid
 from functools import partial
@@ -37,6 +36,7 @@ from deployments.errors import (
     AuthenticationError,
     BadRequestError,
     GenerationError,
+    MethodNotAllowedError,
     ModelNotFoundError,
     OverloadedError,
     RequestTimeoutError,
@@ -61,6 +61,8 @@ from deployments.protocol import (
     ModelCard,
     ModelList,
     SamplingFields,
+    ScoreEvaluationRequest,
+    ScoreEvaluationResponse,
     UsageInfo,
 )
 from engines import engine_capabilities
@@ -98,6 +100,7 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     app.get("/v1/models/{model_id:path}")(ingress.get_model)
     app.post("/v1/chat/completions")(ingress.chat_completions)
     app.post("/v1/completions")(ingress.completions)
+    app.post("/v1/score/evaluation")(ingress.score_evaluation)
     settings = ingress.settings
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.cors_allow_origins:
@@ -126,6 +129,7 @@ class _ModelEntry:
         self.model_id = model_id
         self.config = config
         self.handle = handle.options(stream=True)
+        self.unary_handle = handle  # for calls that return one value (`score`)
         self.capabilities: Capabilities = engine_capabilities(config.infer_backend)
         self.renderer: PromptRenderer | None = None
 
@@ -150,7 +154,8 @@ class OpenAIIngress:
             await self._load_renderer(entry)
         self.base_model_ids = list(self.models)
         for entry in list(self.models.values()):
-            for name in entry.config.lora_adapters:
+            # a reward model's adapters are merged into it (engines/reward.py), not served apart
+            for name in entry.config.lora_adapters if not entry.config.is_reward_model else ():
                 adapter = entry.for_adapter(name)
                 self.models[adapter.model_id] = adapter
         self.metrics = ingress_metrics()
@@ -200,21 +205,44 @@ class OpenAIIngress:
         return entry
 
     @staticmethod
-    def _check_capabilities(entry: _ModelEntry, req: SamplingFields) -> None:
+    def _check_route(entry: _ModelEntry, scoring: bool) -> None:
+        """405 when the model does not serve this kind of route (LLaMA-Factory's `can_generate`)."""
+        if entry.config.is_reward_model and not scoring:
+            raise MethodNotAllowedError(f"{entry.model_id!r} is a reward model (stage {entry.config.stage!r}): it "
+                                        "does not generate; score texts with POST /v1/score/evaluation", param="model")
+        if scoring and not entry.config.is_reward_model:
+            raise MethodNotAllowedError(f"{entry.model_id!r} generates text; /v1/score/evaluation needs a reward "
+                                        "model (stage: rm)", param="model")
+
+    @classmethod
+    def _check_capabilities(cls, entry: _ModelEntry, req: SamplingFields) -> None:
+        """Refuse, naming feature and backend, what the request needs and the backend's
+        `Capabilities` lack (every flag a request can ask for; engines/capabilities.py lists them)."""
+        cls._check_route(entry, scoring=False)
         caps = entry.capabilities
-        wants = {
-            "logprobs": bool(getattr(req, "logprobs", None)) or bool(getattr(req, "top_logprobs", None)),
-            "response_format": (getattr(req, "response_format", None) or {}).get("type", "text") != "text",
-            "n": req.n > 1 and not caps.n,
-            "seed": req.seed is not None and not caps.seed,
-        }
         tool_choice = getattr(req, "tool_choice", None)
-        if tool_choice not in (None, "none", "auto") and not caps.response_format:
-            raise NotSupportedError(f"tool_choice={tool_choice!r} (forcing a tool call) is not supported by the "
-                                    f"{caps.backend} backend; use 'auto' or 'none'", param="tool_choice")
-        for feature, wanted in wants.items():
+        response_format = getattr(req, "response_format", None)
+        # capability -> (wanted by this request, the request field to name, how to say it)
+        wants = {
+            "streaming": (req.stream, "stream", "streaming"),
+            "n": (req.n > 1, "n", "n > 1"),
+            "seed": (req.seed is not None, "seed", "seed"),
+            "stop_strings": (bool(req.stop), "stop", "stop strings"),
+            "presence_frequency_penalty": (bool(req.presence_penalty or req.frequency_penalty), "presence_penalty",
+                                           "presence_penalty/frequency_penalty"),
+            "min_p": (req.min_p > 0, "min_p", "min_p"),
+            "lora": (entry.lora_name is not None, "model", "LoRA adapters"),
+            "logprobs": (req.num_logprobs() is not None, "logprobs", "logprobs"),
+            "response_format": (req.structured_output() is not None, "response_format",
+                                f"response_format type {getattr(response_format, 'type', None)!r}"),
+            "forced_tool_choice": (tool_choice not in (None, "none", "auto"), "tool_choice",
+                                   f"tool_choice={tool_choice!r} (forcing a tool call)"),
+            "tools_in_template": (bool(getattr(req, "tools_enabled", False)), "tools", "tools"),
+        }
+        for feature, (wanted, param, what) in wants.items():
             if wanted and not getattr(caps, feature):
-                raise NotSupportedError(f"{feature} is not supported by the {caps.backend} backend", param=feature)
+                hint = "; use 'auto' or 'none'" if feature == "forced_tool_choice" else ""
+                raise NotSupportedError(f"{what} is not supported by the {caps.backend} backend{hint}", param=param)
 
     async def _render_chat(self, entry: _ModelEntry, body: ChatCompletionRequest,
                            messages: list[dict]) -> tuple[list[int], MediaInput | None]:
@@ -414,6 +442,26 @@ class OpenAIIngress:
                      for i in range(body.n)],
         ), entry.capabilities.backend)
 
+    async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> JSONResponse:
+        """Reward scores for `body.messages` (LLaMA-Factory's `/v1/score/evaluation`), one float
+        per text; 405 for a model that generates."""
+        self._authorize(request)
+        entry = self._resolve_model(body.model)
+        self._label_request(request, entry)
+        self._check_route(entry, scoring=True)
+        response = entry.unary_handle.score.remote(body.messages, body.max_length)
+        try:
+            result = await asyncio.wait_for(_awaited(response), self.settings.request_timeout_s)
+        except BackPressureError as exc:
+            raise OverloadedError.from_backpressure(exc) from None
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise RequestTimeoutError(f"scoring did not finish within {self.settings.request_timeout_s:g} s") from None
+        if isinstance(result, GenerationError):
+            raise _GenerationFailed(result).error_as_exception()
+        return _json_response(ScoreEvaluationResponse(id=self._request_id(request, "scoreval"), model=entry.model_id,
+                                                      scores=result), entry.capabilities.backend)
+
     # ---- SSE -----------------------------------------------------------------------------
 
     def _sse_response(self, entry: _ModelEntry, chunks: AsyncIterator[str]) -> StreamingResponse:
@@ -480,6 +528,10 @@ class _GenerationFailed(Exception):
         err = APIError(self.error.message, param=self.error.param, status_code=self.error.status_code)
         err.error_type = self.error.error_type
         return err
+
+
+async def _awaited(response: Any) -> Any:
+    return await response
 
 
 async def _chain(first: list[GenerationDelta], stream: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:

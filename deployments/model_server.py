@@ -47,6 +47,13 @@ class ModelServer:
         except Exception as exc:  # noqa: BLE001 - every error travels to the ingress as a value
             yield GenerationError.from_exception(exc)
 
+    async def score(self, texts: list[str], max_length: int | None = None) -> list[float] | GenerationError:
+        """Reward scores, one per text; an engine error is returned as a `GenerationError` value."""
+        try:
+            return await self.engine.score(texts, max_length)
+        except Exception as exc:  # noqa: BLE001 - errors travel to the ingress as values
+            return GenerationError.from_exception(exc)
+
     async def engine_stats(self) -> dict[str, int]:
         """`{"running": requests generating, "waiting": requests queued in the engine}`."""
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting}

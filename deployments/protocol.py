@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engines.base import SamplingParams
+from engines.base import SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
 MAX_N = 16
+
+# (request type, field name) pairs already reported: each unknown field is logged once per
+# process, not on every request that carries it.
+_LOGGED_UNKNOWN: set[tuple[str, str]] = set()
 
 
 class OpenAIBaseModel(BaseModel):
@@ -26,8 +30,11 @@ class OpenAIBaseModel(BaseModel):
 
     @model_validator(mode="after")
     def _log_unknown(self) -> "OpenAIBaseModel":
-        if self.model_extra:
-            logger.info("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra))
+        kind = type(self).__name__
+        new = sorted(name for name in self.model_extra or {} if (kind, name) not in _LOGGED_UNKNOWN)
+        if new:
+            _LOGGED_UNKNOWN.update((kind, name) for name in new)
+            logger.info("%s: ignoring unknown fields %s (logged once per field name)", kind, new)
         return self
 
 
@@ -86,6 +93,47 @@ class ChatMessage(StrictModel):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role!r} message needs `content`")
         return self
+
+
+class JsonSchemaFormat(StrictModel):
+    """`response_format.json_schema`: OpenAI's (and vLLM's `JsonSchemaResponseFormat`) fields;
+    `schema` is a JSON Schema, checked with `jsonschema` against its own metaschema."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (any JSON object) or
+    `json_schema` (output validates against `json_schema.schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> "ResponseFormat":
+        if self.type != "json_schema":
+            return self
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("type 'json_schema' needs `json_schema: {name, schema}`")
+        import jsonschema
+
+        schema = self.json_schema.schema_
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise ValueError(f"json_schema.schema is not a valid JSON Schema: {exc.message}") from None
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The engine's constraint: None for `text`."""
+        if self.type == "text":
+            return None
+        return StructuredOutput(json_schema=self.json_schema.schema_ if self.type == "json_schema" else None)
 
 
 class StreamOptions(StrictModel):
@@ -152,10 +200,15 @@ class SamplingFields(OpenAIBaseModel):
             seed=self.seed,
             logprobs=self.num_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
+            structured_output=self.structured_output(),
         )
 
     def num_logprobs(self) -> int | None:
         """None: no logprobs; k: the chosen token's log-probability plus the top k."""
+        return None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The JSON constraint asked for by `response_format`, if any."""
         return None
 
 
@@ -168,7 +221,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def effective_max_tokens(self) -> int | None:
@@ -176,6 +229,26 @@ class ChatCompletionRequest(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def structured_output(self) -> StructuredOutput | None:
+        return self.response_format.structured_output() if self.response_format else None
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _one_response_format_error(cls, value: Any) -> Any:
+        """Report any problem inside `response_format` as one error on `response_format`
+        (OpenAI's `param`), its message naming the inner field."""
+        if value is None or isinstance(value, ResponseFormat):
+            return value
+        try:
+            return ResponseFormat.model_validate(value)
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                where = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+                msg = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{where}: {msg}" if where else msg)
+            raise ValueError("; ".join(problems)) from None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
@@ -213,6 +286,17 @@ class CompletionRequest(SamplingFields):
         if value == "" or value == []:
             raise ValueError("prompt must not be empty")
         return value
+
+
+class ScoreEvaluationRequest(OpenAIBaseModel):
+    """`POST /v1/score/evaluation` (LLaMA-Factory's `ScoreEvaluationRequest`, `api/protocol.py`):
+    texts to score with a reward model, each taken as it is (no chat template); `max_length`
+    truncates each to that many tokens. lmserve also accepts a missing `model` when one model
+    is served, and refuses empty texts by index."""
+
+    model: str | None = None
+    messages: list[Annotated[str, Field(min_length=1)]] = Field(..., min_length=1)
+    max_length: int | None = Field(None, ge=1)
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -299,3 +383,12 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class ScoreEvaluationResponse(BaseModel):
+    """LLaMA-Factory's `ScoreEvaluationResponse`: one float per text of the request, in order."""
+
+    id: str
+    object: Literal["score.evaluation"] = "score.evaluation"
+    model: str
+    scores: list[float]

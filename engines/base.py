@@ -53,6 +53,16 @@ class ModelLoadError(EngineError):
     """Model files are missing or corrupt; the message names the path."""
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain a generation to JSON (OpenAI's `response_format`): `json_schema` is a JSON
+    Schema mapping the output must validate against, or None for any JSON object
+    (`json_object`). Backends that can (`Capabilities.response_format`) map it to their
+    constrained decoding (vLLM: `StructuredOutputsParams`)."""
+
+    json_schema: dict[str, Any] | None = None
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling parameters, OpenAI/vLLM names.
@@ -76,6 +86,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus top k
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -212,7 +223,9 @@ class Capabilities:
     presence_frequency_penalty: bool = True
     min_p: bool = True
     lora: bool = False
-    response_format: bool = False
+    response_format: bool = False  # json_object / json_schema (constrained decoding)
+    forced_tool_choice: bool = False  # tool_choice "required" or a named function
+    scoring: bool = False  # reward models (`stage` other than "sft"): /v1/score/evaluation
     tools_in_template: bool = True
     images: bool = False  # image content parts (`GenerationRequest.media`) reach the model
 
@@ -256,6 +269,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def model_info(self) -> ModelInfo:
         """Facts about the loaded model; valid after `start`."""
+
+    async def score(self, texts: list[str], max_length: int | None = None) -> list[float]:
+        """Reward scores, one float per text (reward models only: `EngineConfig.stage` not `sft`).
+
+        Raises:
+            NotSupportedError: the backend cannot score, or this model is not a reward model.
+            InvalidRequestError: a text the model cannot score (no tokens, `max_length` too long).
+        """
+        raise NotSupportedError(f"scoring is not supported by the {self.capabilities.backend} backend",
+                                param="model")
 
     @property
     def num_running(self) -> int:

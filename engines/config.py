@@ -76,7 +76,6 @@ _INERT_FIELDS: dict[str, Any] = {
     "length_penalty": 1.0,
     "tool_format": None,
     "finetuning_type": "lora",
-    "stage": "sft",
     "cutoff_len": 2048,
     "use_kt": False,
     "kt_expert_checkpoint_path": None,
@@ -156,6 +155,11 @@ class EngineConfig(BaseModel):
     kt_threadpool_count: int | None = None
     kt_num_gpu_experts: int | None = None
 
+    # --- reward models (LLaMA-Factory FinetuningArguments.stage) ---
+    stage: Literal["pt", "sft", "rm", "ppo", "dpo", "kto"] = Field(
+        "sft", description="`sft`: a generating model. Anything else (e.g. `rm`): a reward model, loaded with its "
+        "value head and served on /v1/score/evaluation only (LLaMA-Factory: can_generate = stage == 'sft').")
+
     # --- generation defaults (LLaMA-Factory GeneratingArguments) ---
     do_sample: bool = True
     temperature: float = Field(0.95, ge=0)
@@ -194,6 +198,11 @@ class EngineConfig(BaseModel):
         if not value.strip():
             raise ValueError("must not be empty")
         return value
+
+    @property
+    def is_reward_model(self) -> bool:
+        """True when the model scores texts instead of generating (`stage` other than `sft`)."""
+        return self.stage != "sft"
 
     @property
     def adapters(self) -> list[str]:

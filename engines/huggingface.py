@@ -97,7 +97,8 @@ class HuggingFaceEngine(Engine):
         config: the model's `EngineConfig` (`infer_backend: huggingface`).
     """
 
-    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False, images=True)
+    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False, images=True,
+                                scoring=True)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -109,11 +110,19 @@ class HuggingFaceEngine(Engine):
         self._accepts_images = False
         self._mrope = False
         self.model_path: Path | None = None
+        self._reward: Any = None  # engines.reward.RewardModel when config.is_reward_model
+        self._score_lock = asyncio.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
+        if self.config.is_reward_model:  # scores only: no batcher (engines/reward.py)
+            from engines.reward import RewardModel
+
+            self._reward = await asyncio.to_thread(RewardModel.load, self.model_path, self.config)
+            self._info = self._reward.info
+            return
         await asyncio.to_thread(self._load)
         self._batcher = ContinuousBatcher(self._model, max_num_seqs=self.config.hf_max_num_seqs,
                                           max_batch_tokens=self.config.hf_max_batch_tokens,
@@ -179,6 +188,8 @@ class HuggingFaceEngine(Engine):
         return self._info
 
     async def check_health(self) -> None:
+        if self._reward is not None:
+            return
         if self._model is None or self._batcher is None:
             raise EngineUnavailableError("huggingface engine: model not loaded")
         if not self._batcher.alive:
@@ -187,7 +198,20 @@ class HuggingFaceEngine(Engine):
     async def shutdown(self) -> None:
         if self._batcher is not None:
             await asyncio.to_thread(self._batcher.stop)
-        self._model = None
+        self._model = self._reward = None
+
+    async def score(self, texts: list[str], max_length: int | None = None) -> list[float]:
+        """Reward scores (`engines.reward.RewardModel.score`), one request at a time.
+
+        Raises:
+            NotSupportedError: this model generates (its `stage` is `sft`).
+            InvalidRequestError: see `RewardModel.score`.
+        """
+        if self._reward is None:
+            raise NotSupportedError("this model generates text (stage 'sft'); only reward models score",
+                                    param="model")
+        async with self._score_lock:
+            return await asyncio.to_thread(self._reward.score, texts, max_length)
 
     @property
     def num_running(self) -> int:
@@ -202,6 +226,9 @@ class HuggingFaceEngine(Engine):
     # ---- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        if self._reward is not None:
+            raise NotSupportedError(f"this is a reward model (stage {self.config.stage!r}): it scores texts "
+                                    "and does not generate", param="model")
         await self.check_health()
         state = self._new_state(request)
         loop = asyncio.get_running_loop()
@@ -273,6 +300,9 @@ class HuggingFaceEngine(Engine):
         )
         max_tokens = resolve_max_tokens(len(request.prompt_token_ids), params.max_tokens, cfg.max_new_tokens,
                                         self.model_info().max_model_len)
+        if params.structured_output is not None:  # the ingress refuses it first (Capabilities)
+            raise NotSupportedError("response_format (JSON output) is not supported by the huggingface backend",
+                                    param="response_format")
         if request.lora_name is not None and request.lora_name not in self.config.lora_adapters:
             raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
                                       f"{sorted(self.config.lora_adapters)}", param="model")

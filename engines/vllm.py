@@ -32,6 +32,7 @@ from engines.base import (
     ModelInfo,
     ModelLoadError,
     SamplingParams,
+    StructuredOutput,
     TokenLogprob,
     Usage,
     resolve_max_tokens,
@@ -143,8 +144,9 @@ def sampling_arguments(params: SamplingParams, max_tokens: int) -> dict[str, Any
 
     `temperature: 0` is greedy in both; `top_k: 0` means no top-k in both; penalties use the same
     semantics (repetition over prompt and output, presence/frequency over the output, OpenAI's).
+    A JSON constraint (`structured_output`) becomes `structured_outputs` (`structured_outputs_params`).
     """
-    return {
+    args = {
         "n": params.n,
         "temperature": params.temperature,
         "top_p": params.top_p if params.top_p is not None else 1.0,
@@ -161,6 +163,20 @@ def sampling_arguments(params: SamplingParams, max_tokens: int) -> dict[str, Any
         "logprobs": params.logprobs,
         "skip_special_tokens": params.skip_special_tokens,
     }
+    if params.structured_output is not None:
+        args["structured_outputs"] = structured_outputs_params(params.structured_output)
+    return args
+
+
+def structured_outputs_params(constraint: StructuredOutput) -> Any:
+    """vLLM's `StructuredOutputsParams` for a JSON constraint: `json=<schema>` for a JSON Schema,
+    `json_object=True` for any JSON object. The same mapping as vLLM's OpenAI server
+    (`structured_outputs_from_response_format`, vllm/entrypoints/generate/base/protocol.py)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if constraint.json_schema is not None:
+        return StructuredOutputsParams(json=constraint.json_schema)
+    return StructuredOutputsParams(json_object=True)
 
 
 def _device() -> str:
@@ -195,7 +211,7 @@ class VLLMEngine(Engine):
     one); another loop gets `EngineUnavailableError`.
     """
 
-    capabilities = Capabilities(backend="vllm", logprobs=True, lora=True, response_format=False, images=True)
+    capabilities = Capabilities(backend="vllm", logprobs=True, lora=True, response_format=True, images=True)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -368,7 +384,7 @@ class VLLMEngine(Engine):
                     out = await stream.__anext__()
                 except StopAsyncIteration:
                     return
-                except VLLMClientError as exc:
+                except (ValueError, VLLMClientError) as exc:  # vLLM's server answers both with 400
                     raise InvalidRequestError(str(exc), param=getattr(exc, "parameter", None)) from None
                 except EngineDeadError as exc:
                     raise EngineUnavailableError(f"vllm engine died: {exc}") from exc

@@ -71,6 +71,58 @@ def started_engine(**config):
         run(engine.shutdown())
 
 
+def write_value_head(directory, hidden_size: int, seed: int = 4321) -> dict:
+    """Save a value head as LLaMA-Factory saves a reward model's (`value_head.safetensors` with
+    `v_head.summary.weight` `[1, hidden_size]` and `v_head.summary.bias` `[1]`), from `seed`;
+    returns the tensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    head = {"v_head.summary.weight": torch.randn(1, hidden_size, generator=gen) / hidden_size ** 0.5,
+            "v_head.summary.bias": torch.randn(1, generator=gen)}
+    save_file(head, str(directory / "value_head.safetensors"), metadata={"format": "pt"})
+    return head
+
+
+def direct_scores(model_dir, head_dir, texts, max_length=None, adapter=None):
+    """Each text alone (no padding) through transformers with the value head applied by hand:
+    the head's output on the last hidden state at the last token (trl's ValueHead, LLaMA-Factory's
+    `_get_scores`)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    head = load_file(str(head_dir / "value_head.safetensors"))
+    out = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][:, :max_length]
+        with torch.no_grad():
+            hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
+        out.append(float(hidden @ head["v_head.summary.weight"][0] + head["v_head.summary.bias"][0]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def reward_dir(model_dir, tmp_path_factory):
+    """A reward model made from the default model, laid out as LLaMA-Factory's full-tuning reward
+    stage leaves one: the model's files (linked) plus a fixed-seed `value_head.safetensors`."""
+    import json
+
+    out = tmp_path_factory.mktemp("reward") / "smollm2-rm"
+    out.mkdir()
+    for path in model_dir.iterdir():
+        (out / path.name).symlink_to(path)
+    write_value_head(out, json.loads((model_dir / "config.json").read_text())["hidden_size"])
+    return out
+
+
 @pytest.fixture(scope="session")
 def hf_engine(model_dir):
     with started_engine(model_name_or_path=str(model_dir)) as engine:

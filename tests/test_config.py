@@ -74,3 +74,16 @@ def test_user_deployment_options_override_defaults():
                                               "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}})
     assert opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
     assert "num_replicas" not in opts
+
+
+def test_stage_makes_a_reward_model_as_in_llamafactory():
+    assert EngineConfig().stage == "sft" and not EngineConfig().is_reward_model
+    assert EngineConfig(stage="rm").is_reward_model
+    # the field reaches the model server: build_app passes model_dump() to the deployment
+    assert EngineConfig(stage="rm").model_dump()["stage"] == "rm"
+    with pytest.raises(ConfigError, match="stage"):
+        EngineConfig.from_dict({"stage": "reward"})
+    _, configs = parse_args({"models": [{"model_id": "rm", "stage": "rm"}, {"model_id": "gen"}]})
+    assert configs["rm"].is_reward_model and not configs["gen"].is_reward_model
+    with pytest.raises(ConfigError, match=r"models\[0\]: stage 'rm' .* vllm backend cannot serve"):
+        parse_args({"models": [{"model_id": "rm", "stage": "rm", "infer_backend": "vllm"}]})

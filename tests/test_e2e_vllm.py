@@ -121,3 +121,39 @@ def test_vllm_logprobs_agree_with_huggingface(backends_client):
                                                           max_tokens=8, logprobs=True, stream=True))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in content["smollm2-vllm"]]
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+               "additionalProperties": False}
+
+
+def test_vllm_response_format_json_schema_and_json_object(backends_client):
+    import json
+
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Which city is the capital of France? Reply in JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
+    backend, resp = chat(backends_client, "smollm2-vllm", messages=messages, temperature=0, max_tokens=60,
+                         response_format=fmt)
+    assert backend == "vllm" and resp.choices[0].finish_reason == "stop"
+    answer = json.loads(resp.choices[0].message.content)
+    jsonschema.validate(answer, CITY_SCHEMA)
+    chunks = list(backends_client.chat.completions.create(model="smollm2-vllm", messages=messages, temperature=0,
+                                                          max_tokens=60, response_format=fmt, stream=True))
+    assert json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)) == answer
+    resp = backends_client.chat.completions.create(model="smollm2-vllm", messages=messages, temperature=0,
+                                                   max_tokens=60, response_format={"type": "json_object"})
+    assert isinstance(json.loads(resp.choices[0].message.content), dict)
+    # the same weights without a constraint do not answer in this JSON
+    _, plain = chat(backends_client, "smollm2-vllm", messages=messages, temperature=0, max_tokens=60)
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(plain.choices[0].message.content), CITY_SCHEMA)
+
+
+def test_vllm_schema_it_cannot_compile_is_400(backends_client):
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}
+    with pytest.raises(openai.BadRequestError) as info:
+        backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "broken", "schema": schema}})
+    assert info.value.body["message"]

@@ -68,7 +68,8 @@ def test_fuzz_completions(serve_url, body):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(raw=st.binary(max_size=200), path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models/x"]))
+@given(raw=st.binary(max_size=200), path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/score/evaluation",
+                                                             "/v1/models/x"]))
 def test_fuzz_raw_bodies(serve_url, raw, path):
     r = httpx.post(serve_url + path, content=raw, headers={**AUTH, "content-type": "application/json"}, timeout=60)
     assert r.status_code < 500, (r.status_code, r.text[:500])
@@ -77,5 +78,5 @@ def test_fuzz_raw_bodies(serve_url, raw, path):
 
 def test_openapi_schema_is_served(serve_url):
     schema = httpx.get(serve_url + "/openapi.json").json()
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(schema["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/score/evaluation", "/v1/models"} <= set(schema["paths"])
     json.dumps(schema)

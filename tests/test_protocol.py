@@ -1,12 +1,14 @@
 """Request schema -> engine sampling params, and validation errors -> OpenAI error bodies."""
 
+import logging
+
 import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from deployments.errors import ModelNotFoundError, to_error_response
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
-from engines.base import InvalidRequestError
+from engines.base import InvalidRequestError, StructuredOutput
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -66,3 +68,45 @@ def test_error_mapping_for_engine_and_model_errors():
 def test_completion_prompt_must_not_be_empty():
     with pytest.raises(ValidationError):
         CompletionRequest(prompt="")
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize("response_format,json_schema", [
+    ({"type": "json_object"}, None),
+    ({"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}, CITY_SCHEMA),
+])
+def test_response_format_becomes_the_engines_json_constraint(response_format, json_schema):
+    p = ChatCompletionRequest(messages=MSG, response_format=response_format).to_sampling_params()
+    assert p.structured_output == StructuredOutput(json_schema=json_schema)
+    assert ChatCompletionRequest(messages=MSG, response_format={"type": "text"}).to_sampling_params() \
+        .structured_output is None
+
+
+@pytest.mark.parametrize("response_format,words", [
+    ({"type": "yaml"}, "'text', 'json_object' or 'json_schema'"),
+    ({"type": "json_schema"}, "json_schema: {name, schema}"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema: {name, schema}"),
+    ({"type": "json_schema", "json_schema": {"schema": CITY_SCHEMA}}, "json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "town"}}}, "not a valid JSON Schema"),
+    ("json", "valid dictionary"),
+])
+def test_malformed_response_format_is_one_400_on_response_format(response_format, words):
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": MSG, "response_format": response_format})
+    exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()])
+    status, err = to_error_response(exc)
+    assert (status, err.error.param) == (400, "response_format")
+    assert words in err.error.message
+
+
+def test_unknown_fields_are_logged_once_per_name(caplog):
+    with caplog.at_level(logging.INFO, logger="deployments.protocol"):
+        for _ in range(3):
+            ChatCompletionRequest(messages=MSG, user="u-1", field_one_of_a_kind=1)
+        ChatCompletionRequest(messages=MSG, field_one_of_a_kind=2, field_two_of_a_kind=3)
+    lines = [r.getMessage() for r in caplog.records if "ignoring unknown fields" in r.getMessage()]
+    assert lines == ["ChatCompletionRequest: ignoring unknown fields ['field_one_of_a_kind'] (logged once per "
+                     "field name)", "ChatCompletionRequest: ignoring unknown fields ['field_two_of_a_kind'] "
+                     "(logged once per field name)"]

@@ -1,0 +1,67 @@
+"""Backends' `Capabilities`: the README's table is made from them, and the ingress refuses every
+missing one by name (no model, no Ray)."""
+
+import dataclasses
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from deployments.ingress import OpenAIIngress
+from deployments.protocol import ChatCompletionRequest
+from engines.base import Capabilities, NotSupportedError
+from engines.capabilities import FEATURE_LABELS, capabilities_table
+from engines.config import EngineConfig
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+MSG = [{"role": "user", "content": "hi"}]
+FIELDS = [f.name for f in dataclasses.fields(Capabilities) if f.name != "backend"]
+
+
+def test_every_capability_has_a_label():
+    assert set(FEATURE_LABELS) == set(FIELDS)
+
+
+def test_readme_table_is_the_capabilities_table():
+    block = re.search(r"<!-- capabilities:begin -->\n(.*?)\n<!-- capabilities:end -->", README.read_text(), re.S)
+    assert block, "README.md lacks the <!-- capabilities:begin/end --> block"
+    assert block.group(1) == capabilities_table(), (
+        "README's capabilities table is stale; paste the output of\n"
+        "  python -c 'from engines.capabilities import capabilities_table; print(capabilities_table())'")
+
+
+# A request that needs each capability (the API field it is named by in the 400).
+NEEDS = {
+    "streaming": ({"stream": True}, "stream"),
+    "n": ({"n": 2}, "n"),
+    "seed": ({"seed": 1}, "seed"),
+    "stop_strings": ({"stop": ["x"]}, "stop"),
+    "logprobs": ({"logprobs": True}, "logprobs"),
+    "presence_frequency_penalty": ({"frequency_penalty": 0.5}, "presence_penalty"),
+    "min_p": ({"min_p": 0.1}, "min_p"),
+    "lora": ({}, "model"),
+    "response_format": ({"response_format": {"type": "json_object"}}, "response_format"),
+    "forced_tool_choice": ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+                           "tool_choice"),
+    "tools_in_template": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+}
+
+
+def test_every_request_capability_has_a_request_that_needs_it():
+    # `scoring` is a route, not a request field: refused at config time (tests/test_config.py);
+    # `images` is checked where images are loaded, after the model's own check (tests/test_multimodal.py)
+    assert set(NEEDS) == set(FIELDS) - {"scoring", "images"}
+
+
+@pytest.mark.parametrize("feature", sorted(NEEDS))
+def test_the_ingress_refuses_each_missing_capability_by_name(feature):
+    fields, param = NEEDS[feature]
+    request = ChatCompletionRequest(messages=MSG, **fields)
+    entry = SimpleNamespace(config=EngineConfig(), model_id="m", lora_name="a" if feature == "lora" else None,
+                            capabilities=Capabilities(backend="somebackend", **{feature: False}))
+    with pytest.raises(NotSupportedError, match="not supported by the somebackend backend") as info:
+        OpenAIIngress._check_capabilities(entry, request)
+    assert info.value.param == param
+    entry.capabilities = Capabilities(backend="somebackend", **{f: True for f in FIELDS})
+    OpenAIIngress._check_capabilities(entry, request)  # with the capability, no refusal
