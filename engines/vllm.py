@@ -15,7 +15,6 @@ vLLM reserves `vllm_gpu_util` of the machine's RAM.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from contextlib import aclosing
@@ -36,15 +35,10 @@ from engines.base import (
     Usage,
     resolve_max_tokens,
 )
-from engines.config import ConfigError, EngineConfig
-from engines.model_source import resolve_model_path
+from engines.config import ConfigError, EngineConfig, parse_mapping
+from engines.model_source import model_max_len, resolve_model_path
 
 logger = logging.getLogger(__name__)
-
-# config.json keys that bound a model's context length (the ones vLLM reads first).
-_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                 "max_sequence_length", "max_seq_length")
-
 
 def pick_vllm_dtype(infer_dtype: str, device: str) -> str:
     """The `dtype` engine argument for `infer_dtype` on `device` ("cpu", "cuda", ...).
@@ -70,28 +64,7 @@ def parse_vllm_config(value: dict[str, Any] | str | None) -> dict[str, Any]:
     Raises:
         ConfigError: text that is not a JSON object.
     """
-    if value is None:
-        return {}
-    if isinstance(value, dict):
-        return dict(value)
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"vllm_config: not a JSON object: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise ConfigError(f"vllm_config: expected a JSON object, got {type(parsed).__name__}")
-    return parsed
-
-
-def model_max_len(model_path: Path) -> int | None:
-    """The context length declared in the model's config.json (tokens), if any."""
-    try:
-        cfg = json.loads((model_path / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    cfg = {**cfg.get("text_config", {}), **cfg}
-    lengths = [int(cfg[k]) for k in _MAX_LEN_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 0]
-    return min(lengths) if lengths else None
+    return parse_mapping(value, "vllm_config")
 
 
 def engine_arguments(config: EngineConfig, model_path: Path | str, device: str) -> dict[str, Any]:

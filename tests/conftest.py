@@ -13,6 +13,17 @@ from typing import Any
 import pytest
 
 TEST_API_KEY = "lmserve-test-key"
+# The fields `infer_backend: ktransformers` needs (EngineConfig refuses it without them).
+KT_FIELDS = {"kt_weight_path": "/models/experts-int4", "kt_method": "AMXINT4", "kt_cpuinfer": 16,
+             "kt_num_gpu_experts": 4}
+
+
+def backend_config(backend: str, **fields):
+    """A valid `EngineConfig` for `backend` (the kt fields added for ktransformers)."""
+    from engines.config import EngineConfig
+
+    extra = KT_FIELDS if backend == "ktransformers" else {}
+    return EngineConfig(infer_backend=backend, **{**extra, **fields})
 ALLOWED_ORIGIN = "http://allowed.example"
 MAX_BODY_BYTES = 256 * 1024
 REQUEST_TIMEOUT_S = 15.0
