@@ -159,6 +159,12 @@ class ServerProcess:
         await self._drain_output()
         if self._reader is not None:
             self._reader.cancel()
+        # Killed children of the child are reaped by init: wait until the group is empty.
+        deadline = time.monotonic() + 5
+        while _group_exists(pgid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if _group_exists(pgid):
+            logger.warning("%s: process group %d still has members (zombies not yet reaped)", self.name, pgid)
         logger.info("%s (pid %d) stopped with status %s", self.name, pgid, proc.returncode)
 
 
@@ -167,3 +173,13 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # the group id was reused by another user's processes
+        return False
+    return True

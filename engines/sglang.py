@@ -326,6 +326,7 @@ class SGLangEngine(Engine):
 
     capabilities = Capabilities(backend="sglang", seed=False, logprobs=True, lora=True, response_format=False)
     server_name = "sglang"
+    stop_grace_s = 10.0  # seconds between SIGTERM and SIGKILL of the server's process group
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -430,7 +431,7 @@ class SGLangEngine(Engine):
         client, self._client = self._client, None
         server, self._info = self.server, None
         if server is not None:
-            await server.stop()
+            await server.stop(self.stop_grace_s)
         if client is not None:
             await client.aclose()
 

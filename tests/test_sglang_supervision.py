@@ -1,0 +1,83 @@
+"""Supervision of the SGLang server child process with programs that fail to become a server
+(no model is loaded): start-up failure, readiness time-out, refused flags, no orphan left."""
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engines.base import ModelLoadError
+from engines.config import EngineConfig
+from engines.sglang import SGLangEngine
+
+STANDIN = Path(__file__).parent / "standins" / "sglang_server.py"
+
+
+@pytest.fixture
+def model_path(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    return tmp_path
+
+
+def engine_with(command, model_path, **fields) -> SGLangEngine:
+    return SGLangEngine(EngineConfig(infer_backend="sglang", model_name_or_path=str(model_path),
+                                     sglang_launch_command=command, **fields))
+
+
+def group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_exit_during_start_up_quotes_the_last_lines(model_path):
+    script = "import sys; print('loading weights'); print('RuntimeError: No CUDA GPUs are available', file=sys.stderr); sys.exit(3)"
+    engine = engine_with([sys.executable, "-c", script], model_path)
+    with pytest.raises(ModelLoadError) as info:
+        asyncio.run(engine.start())
+    assert "sglang server exited with status 3 during start-up" in info.value.message
+    assert "loading weights" in info.value.message and "No CUDA GPUs are available" in info.value.message
+
+
+def test_readiness_time_out_names_the_limit_and_leaves_no_process(model_path, caplog):
+    # Ignores SIGTERM and has a child of its own, like SGLang's scheduler: both must go.
+    script = textwrap.dedent("""
+        import signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print("capturing cuda graphs", flush=True)
+        time.sleep(600)
+    """)
+    engine = engine_with([sys.executable, "-c", script], model_path, sglang_start_timeout_s=1.5)
+    engine.stop_grace_s = 1
+    caplog.set_level(logging.INFO, logger="engines.server_process")
+    with pytest.raises(ModelLoadError) as info:
+        asyncio.run(engine.start())
+    assert "not ready after 1.5 s" in info.value.message and "capturing cuda graphs" in info.value.message
+    assert not group_exists(engine.server.pgid)
+    # the child's output went to this process's log, and the API key did not
+    forwarded = [r.getMessage() for r in caplog.records if r.name == "engines.server_process.sglang"]
+    assert any("capturing cuda graphs" in m for m in forwarded)
+    started = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("starting sglang"))
+    assert "--api-key '***'" in started
+
+
+def test_the_stand_in_refuses_unknown_flags_as_sglang_does(model_path):
+    engine = engine_with([sys.executable, str(STANDIN)], model_path, sglang_config={"no_such_flag": 1})
+    with pytest.raises(ModelLoadError) as info:
+        asyncio.run(engine.start())
+    assert "exited with status 2" in info.value.message
+    assert "unrecognized arguments: --no-such-flag 1" in info.value.message
+
+
+def test_a_missing_program_is_a_clear_error(model_path):
+    engine = engine_with(["/nonexistent/python", "-m", "sglang.launch_server"], model_path)
+    with pytest.raises(ModelLoadError, match="cannot execute '/nonexistent/python'"):
+        asyncio.run(engine.start())
