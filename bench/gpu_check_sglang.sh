@@ -48,43 +48,6 @@ YAML
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
 
-"$venv/bin/python" - "$port" <<'PY'
-import sys, time
-import openai
-
-port = int(sys.argv[1])
-model = "smollm2-sglang"
-question = [{"role": "user", "content": "What is the capital of France?"}]
-client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-start = time.monotonic()
-while True:
-    try:
-        resp = client.chat.completions.with_raw_response.create(model=model, messages=question, temperature=0,
-                                                                max_tokens=32)
-        break
-    except (openai.APIConnectionError, openai.APIStatusError):
-        if time.monotonic() - start > 420:
-            sys.exit("server did not answer within 420 s; see /tmp/gpu_check_sglang_server.log")
-        time.sleep(2)
-print(f"first answer after {time.monotonic() - start:.1f} s, backend={resp.headers.get('x-lmserve-backend')}:",
-      resp.parse().choices[0].message.content)
-stop = client.chat.completions.create(model=model, temperature=0, stop=["Paris"], messages=question)
-print("stop='Paris':", repr(stop.choices[0].message.content), stop.choices[0].finish_reason)
-two = client.chat.completions.create(model=model, n=2, temperature=1.0, max_tokens=24,
-                                     messages=[{"role": "user", "content": "Name a colour."}])
-print("n=2:", [c.message.content for c in two.choices], [c.finish_reason for c in two.choices])
-lp = client.chat.completions.create(model=model, messages=question, temperature=0, max_tokens=4, logprobs=True,
-                                    top_logprobs=2)
-print("logprobs:", [(t.token, round(t.logprob, 3)) for t in lp.choices[0].logprobs.content])
-t0, first, tokens = time.perf_counter(), None, 0
-for chunk in client.chat.completions.create(model=model, stream=True, max_tokens=256, temperature=0,
-                                            extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
-                                            messages=[{"role": "user", "content": "Tell me a long story."}]):
-    if first is None and chunk.choices and chunk.choices[0].delta.content:
-        first = time.perf_counter()
-    if chunk.usage:
-        tokens = chunk.usage.completion_tokens
-t1 = time.perf_counter()
-print(f"stream: {tokens} tokens, TTFT {1000 * (first - t0):.0f} ms, {tokens / (t1 - t0):.1f} tok/s")
-PY
+"$venv/bin/python" bench/gpu_check_requests.py --port "$port" --model smollm2-sglang --logprobs \
+  --server-log /tmp/gpu_check_sglang_server.log
 echo "server log: /tmp/gpu_check_sglang_server.log; output written to $out"

@@ -49,7 +49,7 @@ from engines.base import (
     SamplingParams,
     TokenLogprob,
     Usage,
-    resolve_max_tokens,
+    prepare_generation,
 )
 from engines.config import EngineConfig, parse_mapping
 from engines.model_source import model_config_json, model_max_len, resolve_model_path
@@ -444,21 +444,9 @@ class SGLangEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         client = self._require_client()
-        cfg = self.config
-        params = request.sampling_params.resolve_defaults(
-            do_sample=cfg.do_sample, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            repetition_penalty=cfg.repetition_penalty,
-        )
+        params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
+                                                vocab_size=self._vocab_size)
         prompt_ids = list(request.prompt_token_ids)
-        max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, cfg.max_new_tokens,
-                                        self.model_info().max_model_len)
-        for tid in params.stop_token_ids:
-            if not 0 <= tid < (self._vocab_size or 1 << 62):
-                raise InvalidRequestError(f"stop_token_ids: {tid} is not a token id of this model",
-                                          param="stop_token_ids")
-        if request.lora_name is not None and request.lora_name not in cfg.lora_adapters:
-            raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
-                                      f"{sorted(cfg.lora_adapters)}", param="model")
         # SGLang refuses a duplicate rid; ours may repeat (a client's x-request-id), so add a suffix.
         rid = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
         parser = _StreamParser(params)

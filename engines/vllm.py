@@ -33,7 +33,7 @@ from engines.base import (
     SamplingParams,
     TokenLogprob,
     Usage,
-    resolve_max_tokens,
+    prepare_generation,
 )
 from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.model_source import model_max_len, resolve_model_path
@@ -308,24 +308,10 @@ class VLLMEngine(Engine):
         from vllm.v1.engine.exceptions import EngineDeadError
 
         llm = self._require_llm()
-        cfg = self.config
-        params = request.sampling_params.resolve_defaults(
-            do_sample=cfg.do_sample, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            repetition_penalty=cfg.repetition_penalty,
-        )
+        params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
+                                                vocab_size=self._vocab_size)
         prompt_ids = list(request.prompt_token_ids)
-        max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, cfg.max_new_tokens,
-                                        self.model_info().max_model_len)
-        for tid in params.stop_token_ids:
-            if not 0 <= tid < self._vocab_size:
-                raise InvalidRequestError(f"stop_token_ids: {tid} is not a token id of this model",
-                                          param="stop_token_ids")
-        lora_request = None
-        if request.lora_name is not None:
-            lora_request = self._lora_requests.get(request.lora_name)
-            if lora_request is None:
-                raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
-                                          f"{sorted(self._lora_requests)}", param="model")
+        lora_request = self._lora_requests[request.lora_name] if request.lora_name is not None else None
         try:
             vllm_params = VLLMSamplingParams(**sampling_arguments(params, max_tokens),
                                              output_kind=RequestOutputKind.DELTA)

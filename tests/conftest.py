@@ -38,6 +38,35 @@ def run(coro) -> Any:
     return asyncio.run(coro)
 
 
+def group_exists(pgid: int) -> bool:
+    """Whether any process (a zombie too) is left in process group `pgid`."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def chat(client, model, **kwargs):
+    """A chat completion through the official client: (`x-lmserve-backend` header, response)."""
+    raw = client.chat.completions.with_raw_response.create(model=model, **kwargs)
+    return raw.headers.get("x-lmserve-backend"), raw.parse()
+
+
+def assert_stream_matches_full(client, **args) -> list:
+    """The same chat request streamed (with usage) and not: same text, finish reason and usage.
+    Returns the streamed chunks."""
+    full = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    return chunks
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     """The embedded default model, converted on first use into $LMSERVE_HOME."""

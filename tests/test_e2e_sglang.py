@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import TEST_API_KEY
+from conftest import TEST_API_KEY, assert_stream_matches_full, chat
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +46,6 @@ def sglang_client(serve_url, lora_dir, tmp_path_factory):
         serve.delete("lmserve-sglang")
 
 
-def chat(client, model, **kwargs):
-    raw = client.chat.completions.with_raw_response.create(model=model, **kwargs)
-    return raw.headers.get("x-lmserve-backend"), raw.parse()
-
-
 def test_models_are_listed(sglang_client):
     assert sorted(m.id for m in sglang_client.models.list().data) == sorted(
         ["smollm2-hf", "smollm2-hf:sft-lora", "smollm2-sglang", "smollm2-sglang:sft-lora", "smollm2-kt"])
@@ -68,17 +63,9 @@ def test_greedy_answers_agree_across_backends(sglang_client):
 
 
 def test_sglang_streaming_matches_non_streaming(sglang_client):
-    args = dict(model="smollm2-sglang", messages=[{"role": "user", "content": "Describe the sea in two sentences."}],
-                temperature=0, max_tokens=40)
-    full = sglang_client.chat.completions.create(**args)
-    chunks = list(sglang_client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    chunks = assert_stream_matches_full(sglang_client, model="smollm2-sglang", temperature=0, max_tokens=40,
+                                        messages=[{"role": "user", "content": "Describe the sea in two sentences."}])
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == full.choices[0].message.content
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finishes == [full.choices[0].finish_reason]
-    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
 def test_sglang_n_stop_completions_and_lora(sglang_client):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import collect, run
+from conftest import collect, group_exists, run
 from engines.base import EngineUnavailableError, GenerationRequest, InvalidRequestError, SamplingParams
 from engines.config import EngineConfig
 from engines.ktransformers import KTransformersEngine
@@ -50,14 +50,6 @@ def start(cls=SGLangEngine, **fields):
     engine = cls(EngineConfig(sglang_launch_command=STANDIN, sglang_start_timeout_s=300, **fields))
     srun(engine.start())
     return engine
-
-
-def group_exists(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,13 @@
 import asyncio
 import json
 import logging
-import os
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from conftest import group_exists
 from engines.base import ModelLoadError
 from engines.config import EngineConfig
 from engines.sglang import SGLangEngine
@@ -27,14 +27,6 @@ def model_path(tmp_path):
 def engine_with(command, model_path, **fields) -> SGLangEngine:
     return SGLangEngine(EngineConfig(infer_backend="sglang", model_name_or_path=str(model_path),
                                      sglang_launch_command=command, **fields))
-
-
-def group_exists(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_exit_during_start_up_quotes_the_last_lines(model_path):
