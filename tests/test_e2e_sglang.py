@@ -91,3 +91,15 @@ def test_what_sglang_lacks_is_refused_with_400(sglang_client):
     with pytest.raises(openai.BadRequestError) as info:
         sglang_client.chat.completions.create(model="smollm2-sglang", messages=QUESTION, max_tokens=100000)
     assert info.value.body["param"] == "max_tokens"
+
+
+def test_sglang_logprobs_agree_with_huggingface(sglang_client):
+    content = {}
+    for model in ("smollm2-hf", "smollm2-sglang"):
+        resp = sglang_client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=8,
+                                                     logprobs=True, top_logprobs=3)
+        content[model] = resp.choices[0].logprobs.content
+        assert len(content[model]) == resp.usage.completion_tokens
+    for s, h in zip(content["smollm2-sglang"], content["smollm2-hf"], strict=True):
+        assert s.token == h.token and abs(s.logprob - h.logprob) < 1e-4
+        assert [t.token for t in s.top_logprobs] == [t.token for t in h.top_logprobs]
