@@ -12,6 +12,7 @@ import asyncio
 import collections
 import logging
 import os
+import re
 import shlex
 import signal
 import time
@@ -82,12 +83,25 @@ class ServerProcess:
         self._reader = asyncio.get_running_loop().create_task(self._forward_output())
 
     async def _forward_output(self) -> None:
+        """Log the child's output line by line until its pipe closes. Reads chunks rather than
+        lines, so a very long line cannot stop the reading (and block the child on a full pipe)."""
         assert self._proc is not None and self._proc.stdout is not None
-        async for raw in self._proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            if line:
-                self.tail.append(line)
-                self._child_logger.info("[%s pid %d] %s", self.name, self._proc.pid, line)
+        pending = b""
+        while chunk := await self._proc.stdout.read(1 << 16):
+            # \r too: progress bars (weights loading, CUDA graph capture) redraw one line
+            *lines, pending = re.split(rb"\r\n|\r|\n", pending + chunk)
+            if len(pending) > 1 << 16:
+                lines.append(pending)
+                pending = b""
+            for raw in lines:
+                self._log_line(raw)
+        self._log_line(pending)
+
+    def _log_line(self, raw: bytes) -> None:
+        line = raw.decode(errors="replace").rstrip()
+        if line:
+            self.tail.append(line)
+            self._child_logger.info("[%s pid %d] %s", self.name, self._proc.pid, line)
 
     def last_lines(self, n: int = 20) -> str:
         """The child's last `n` output lines, one per line."""
