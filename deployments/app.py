@@ -179,8 +179,8 @@ def parse_args(args: dict[str, Any]) -> tuple[AppArgs, dict[str, EngineConfig]]:
         if model_id in configs:
             raise ConfigError(f"models[{i}]: duplicate model_id {model_id!r}")
         try:
-            engine_class(config.infer_backend)  # fail now for a backend that is not built
-        except NotImplementedError as exc:
+            engine_class(config.infer_backend).check_config(config)  # fail now, not on a replica
+        except (NotImplementedError, ConfigError) as exc:
             raise ConfigError(f"models[{i}]: {exc}") from None
         configs[model_id] = config
     return app_args, configs

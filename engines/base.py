@@ -243,6 +243,14 @@ class Engine(abc.ABC):
 
     capabilities: Capabilities
 
+    @classmethod
+    def check_config(cls, config: "EngineConfig") -> None:
+        """Check what only this backend knows about its config, without loading anything.
+
+        Raises:
+            ConfigError: naming the field (backends override; the default checks nothing).
+        """
+
     @abc.abstractmethod
     async def start(self) -> None:
         """Load the model; raises `ModelLoadError` naming the path when it cannot."""

@@ -51,7 +51,7 @@ from engines.base import (
     Usage,
     prepare_generation,
 )
-from engines.config import EngineConfig, parse_mapping
+from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.model_source import model_config_json, model_max_len, resolve_model_path
 from engines.server_process import ServerProcess
 
@@ -59,6 +59,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LAUNCH_COMMAND = (sys.executable, "-m", "sglang.launch_server")
 HOST = "127.0.0.1"
+# Server flags that change the stream this module parses (cumulative text per choice).
+_REFUSED_FLAGS = {
+    "--incremental-streaming-output": "it makes the stream send text deltas where lmserve reads cumulative text",
+    "--skip-tokenizer-init": "the server then returns no text",
+}
 
 
 def visible_gpu_count() -> int:
@@ -109,7 +114,8 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
     flag, a list -> several values.
 
     Raises:
-        ConfigError: `sglang_config` that is not a mapping.
+        ConfigError: `sglang_config` that is not a mapping, or that sets a flag changing the
+            stream lmserve parses (`incremental_streaming_output`, `skip_tokenizer_init`).
     """
     tp = config.sglang_tp_size if config.sglang_tp_size > 0 else (tp_size or visible_gpu_count())
     flags: dict[str, list[str]] = {
@@ -134,6 +140,8 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
     flags.update(backend_flags or {})
     for name, value in parse_mapping(config.sglang_config, "sglang_config").items():
         key = _flag(name)
+        if key in _REFUSED_FLAGS and value not in (None, False):
+            raise ConfigError(f"sglang_config: {name!r} cannot be used: {_REFUSED_FLAGS[key]}")
         if value is None or value is False:
             flags.pop(key, None)
         elif value is True:
@@ -339,6 +347,11 @@ class SGLangEngine(Engine):
         self._aborts: set[asyncio.Task] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        """Raises ConfigError for an `sglang_config` that cannot be turned into launch flags."""
+        cls(config).launch_arguments(Path(config.model_name_or_path), 0, "", config.sglang_maxlen)
 
     def launch_arguments(self, model_path: Path, port: int, api_key: str, max_len: int) -> list[str]:
         """Flags for this backend's server (the `ktransformers` backend adds its own)."""

@@ -183,6 +183,11 @@ class VLLMEngine(Engine):
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        """Raises ConfigError for a `vllm_config` that is not a JSON object."""
+        parse_vllm_config(config.vllm_config)
+
     async def start(self) -> None:
         self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
         try:

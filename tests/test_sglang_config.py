@@ -81,6 +81,15 @@ def test_sglang_config_adds_replaces_and_removes_flags(model_path):
     assert flags_of(launch_arguments(text, model_path, port=1, api_key="k", max_len=4096))["--max-running-requests"] == ["8"]
     with pytest.raises(ConfigError, match="sglang_config"):
         launch_arguments(EngineConfig(sglang_config="[1, 2]"), model_path, port=1, api_key="k", max_len=4096)
+    with pytest.raises(ConfigError, match="'incremental_streaming_output' cannot be used"):
+        launch_arguments(EngineConfig(sglang_config={"incremental_streaming_output": True}), model_path, port=1,
+                         api_key="k", max_len=4096)
+    # at config time, naming the model entry
+    with pytest.raises(ConfigError, match=r"models\[0\]: sglang_config: not a JSON object"):
+        parse_args({"models": [{"infer_backend": "sglang", "sglang_config": "{bad"}]})
+    with pytest.raises(ConfigError, match=r"models\[0\]: sglang_config: 'skip_tokenizer_init' cannot be used"):
+        parse_args({"models": [{"infer_backend": "ktransformers", **KT_FIELDS,
+                                "sglang_config": {"skip_tokenizer_init": True}}]})
 
 
 def test_launch_command_prefix_is_configurable(model_path):
