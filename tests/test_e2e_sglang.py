@@ -103,3 +103,14 @@ def test_sglang_logprobs_agree_with_huggingface(sglang_client):
     for s, h in zip(content["smollm2-sglang"], content["smollm2-hf"], strict=True):
         assert s.token == h.token and abs(s.logprob - h.logprob) < 1e-4
         assert [t.token for t in s.top_logprobs] == [t.token for t in h.top_logprobs]
+
+
+def test_the_servers_output_is_in_the_replicas_log(sglang_client):
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    replica_logs = list(logs.glob("replica_lmserve-sglang_ModelServer_smollm2-sglang_*.log"))
+    assert replica_logs
+    text = "".join(f.read_text() for f in replica_logs)
+    assert "[sglang pid" in text and "The server is fired up and ready to roll!" in text
+    assert "sglang server ready after" in text
