@@ -176,17 +176,22 @@ def test_shutdown_leaves_no_process_in_the_servers_group(model_dir):
         srun(engine.check_health())
 
 
-def test_ktransformers_passes_kt_flags_and_a_killed_server_fails_the_health_check(model_dir, tmp_path, renderer,
+def test_ktransformers_passes_kt_flags_and_a_stopped_or_killed_server_fails_the_health_check(model_dir, tmp_path, renderer,
                                                                                   caplog):
     caplog.set_level(logging.INFO, logger=CHILD_LOG)
     engine = start(KTransformersEngine, infer_backend="ktransformers", model_name_or_path=str(model_dir),
                    kt_weight_path=str(tmp_path), kt_method="AMXINT4", kt_cpuinfer=2, kt_threadpool_count=1,
-                   kt_num_gpu_experts=0)
+                   kt_num_gpu_experts=0, sglang_health_timeout_s=2)
     try:
         answer = srun(collect(engine, GenerationRequest("k", renderer.render_chat(QUESTION),
                                                         SamplingParams(temperature=0, max_tokens=32))))
         assert "Paris" in text_of(answer)
         assert any("kt flags: method=AMXINT4 cpuinfer=2 gpu_experts=0" in r.getMessage() for r in caplog.records)
+        srun(engine.check_health())
+        os.kill(engine.server.pid, signal.SIGSTOP)  # alive but unresponsive
+        with pytest.raises(EngineUnavailableError, match="does not answer /health"):
+            srun(engine.check_health())
+        os.kill(engine.server.pid, signal.SIGCONT)
         srun(engine.check_health())
         os.kill(engine.server.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
