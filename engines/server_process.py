@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import logging
 import os
 import re
 import shlex
 import signal
+import sys
 import time
 from typing import Awaitable, Callable
 
@@ -24,6 +26,20 @@ logger = logging.getLogger(__name__)
 
 # Lines of the child's output kept for error messages.
 TAIL_LINES = 40
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+try:  # looked up here, not in the forked child, where loading a library could deadlock
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """In the forked child before exec: SIGKILL when the thread that started it dies, so a
+    replica killed outright (no shutdown) leaves no server behind (SGLang's own processes die
+    with their parent in turn). Linux only; elsewhere Ray's cleanup of worker children remains."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class ServerProcess:
@@ -67,7 +83,8 @@ class ServerProcess:
 
     async def start(self) -> None:
         """Start the child in a new session (its own process group), stdout and stderr merged
-        into one pipe whose lines go to this process's log at INFO.
+        into one pipe whose lines go to this process's log at INFO; the child is killed if the
+        thread that started it dies without `stop` (Linux `PR_SET_PDEATHSIG`).
 
         Raises:
             ModelLoadError: the program cannot be executed, naming it.
@@ -77,7 +94,8 @@ class ServerProcess:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True)
+                stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True,
+                preexec_fn=_die_with_parent)
         except OSError as exc:
             raise ModelLoadError(f"{self.name}: cannot execute {self.command[0]!r}: {exc}") from exc
         self._reader = asyncio.get_running_loop().create_task(self._forward_output())

@@ -4,8 +4,10 @@
 import asyncio
 import json
 import logging
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,30 @@ def test_a_missing_program_is_a_clear_error(model_path):
     engine = engine_with(["/nonexistent/python", "-m", "sglang.launch_server"], model_path)
     with pytest.raises(ModelLoadError, match="cannot execute '/nonexistent/python'"):
         asyncio.run(engine.start())
+
+
+def test_a_replica_killed_outright_takes_its_server_with_it(tmp_path):
+    # A stand-in for a replica process that is SIGKILLed (no shutdown runs): its server child,
+    # in a process group of its own, must not outlive it.
+    replica = textwrap.dedent(f"""
+        import asyncio, sys, time
+        from engines.server_process import ServerProcess
+        async def main():
+            server = ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"], "sleeper")
+            await server.start()
+            print(server.pid, flush=True)
+            await asyncio.sleep(600)
+        asyncio.run(main())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", replica], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(proc.stdout.readline())
+        assert group_exists(child)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while group_exists(child):
+            assert time.monotonic() < deadline, "the server outlived its replica"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
