@@ -39,40 +39,6 @@ LMSERVE_VLLM_DEVICE=cuda "$venv/bin/python" -m deployments.cli serve "$config" >
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
 
-"$venv/bin/python" - "$port" <<'PY'
-import sys, time
-import openai
-
-port = int(sys.argv[1])
-client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-start = time.monotonic()
-while True:
-    try:
-        resp = client.chat.completions.with_raw_response.create(
-            model="smollm2-vllm", messages=[{"role": "user", "content": "What is the capital of France?"}],
-            temperature=0, max_tokens=32)
-        break
-    except (openai.APIConnectionError, openai.APIStatusError):
-        if time.monotonic() - start > 420:
-            sys.exit("server did not answer within 420 s; see /tmp/gpu_check_server.log")
-        time.sleep(2)
-print(f"first answer after {time.monotonic() - start:.1f} s, backend={resp.headers.get('x-lmserve-backend')}:",
-      resp.parse().choices[0].message.content)
-stop = client.chat.completions.create(model="smollm2-vllm", temperature=0, stop=["Paris"],
-                                      messages=[{"role": "user", "content": "What is the capital of France?"}])
-print("stop='Paris':", repr(stop.choices[0].message.content), stop.choices[0].finish_reason)
-two = client.chat.completions.create(model="smollm2-vllm", n=2, temperature=1.0, max_tokens=24, seed=1,
-                                     messages=[{"role": "user", "content": "Name a colour."}])
-print("n=2:", [c.message.content for c in two.choices])
-t0, first, tokens = time.perf_counter(), None, 0
-for chunk in client.chat.completions.create(model="smollm2-vllm", stream=True, max_tokens=256, temperature=0,
-                                            extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
-                                            messages=[{"role": "user", "content": "Tell me a long story."}]):
-    if first is None and chunk.choices and chunk.choices[0].delta.content:
-        first = time.perf_counter()
-    if chunk.usage:
-        tokens = chunk.usage.completion_tokens
-t1 = time.perf_counter()
-print(f"stream: {tokens} tokens, TTFT {1000 * (first - t0):.0f} ms, {tokens / (t1 - t0):.1f} tok/s")
-PY
+"$venv/bin/python" bench/gpu_check_requests.py --port "$port" --model smollm2-vllm --seed 1 \
+  --server-log /tmp/gpu_check_server.log
 echo "output written to $out"

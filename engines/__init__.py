@@ -5,7 +5,7 @@ from __future__ import annotations
 from engines.base import Capabilities, Engine
 from engines.config import EngineConfig
 
-BUILT_BACKENDS = ("huggingface", "vllm")
+BUILT_BACKENDS = ("huggingface", "vllm", "sglang", "ktransformers")
 
 
 def engine_class(backend: str) -> type[Engine]:
@@ -22,6 +22,14 @@ def engine_class(backend: str) -> type[Engine]:
         from engines.vllm import VLLMEngine
 
         return VLLMEngine
+    if backend == "sglang":
+        from engines.sglang import SGLangEngine
+
+        return SGLangEngine
+    if backend == "ktransformers":
+        from engines.ktransformers import KTransformersEngine
+
+        return KTransformersEngine
     raise NotImplementedError(
         f"infer_backend {backend!r} is not available in this version of lmserve "
         f"(built so far: {', '.join(BUILT_BACKENDS)})"

@@ -11,7 +11,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
+
+if TYPE_CHECKING:
+    from engines.config import EngineConfig
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -210,6 +213,36 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, default_max_new_
     return max_tokens
 
 
+def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, max_model_len: int,
+                       vocab_size: int | None) -> tuple[SamplingParams, int]:
+    """A request's sampling params with the config's generating defaults filled in, and the
+    number of tokens it may generate; the checks every backend makes before generating.
+
+    Args:
+        max_model_len: the context length (tokens).
+        vocab_size: token ids must be below it (None: not checked).
+
+    Raises:
+        InvalidRequestError: the prompt and `max_tokens` do not fit `max_model_len`
+            (`resolve_max_tokens`), a stop token id is not a token of the model, or the LoRA
+            adapter is not one of `config.lora_adapters` (param `model`).
+    """
+    params = request.sampling_params.resolve_defaults(
+        do_sample=config.do_sample, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+        repetition_penalty=config.repetition_penalty,
+    )
+    max_tokens = resolve_max_tokens(len(request.prompt_token_ids), params.max_tokens, config.max_new_tokens,
+                                    max_model_len)
+    for tid in params.stop_token_ids:
+        if not 0 <= tid < (vocab_size if vocab_size is not None else 1 << 62):
+            raise InvalidRequestError(f"stop_token_ids: {tid} is not a token id of this model",
+                                      param="stop_token_ids")
+    if request.lora_name is not None and request.lora_name not in config.lora_adapters:
+        raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
+                                  f"{sorted(config.lora_adapters)}", param="model")
+    return params, max_tokens
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can do; the ingress refuses what is missing with a clear 400."""
@@ -243,6 +276,14 @@ class Engine(abc.ABC):
     """An inference backend. Lifecycle: construct (cheap) -> `await start()` -> serve -> `shutdown`."""
 
     capabilities: Capabilities
+
+    @classmethod
+    def check_config(cls, config: "EngineConfig") -> None:
+        """Check what only this backend knows about its config, without loading anything.
+
+        Raises:
+            ConfigError: naming the field (backends override; the default checks nothing).
+        """
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -77,12 +77,23 @@ _INERT_FIELDS: dict[str, Any] = {
     "tool_format": None,
     "finetuning_type": "lora",
     "cutoff_len": 2048,
-    "use_kt": False,
-    "kt_expert_checkpoint_path": None,
-    "kt_use_lora_experts": None,
-    "kt_lora_expert_num": None,
-    "kt_lora_expert_intermediate_size": None,
 }
+
+# LLaMA-Factory's KTransformers *training* options (GPU-side LoRA experts, online conversion of
+# expert checkpoints). SGLang's kt-kernel serving has no counterpart: a value other than the
+# default is refused, naming the field, rather than silently dropped.
+_KT_TRAINING_FIELDS: dict[str, str] = {
+    "kt_expert_checkpoint_path": "converts expert checkpoints online for training; for serving, convert the "
+                                 "experts with kt-kernel once and set kt_weight_path",
+    "kt_use_lora_experts": "adds GPU-side LoRA experts for training; SGLang's kt-kernel does not serve them",
+    "kt_lora_expert_num": "sizes GPU-side LoRA experts for training; SGLang's kt-kernel does not serve them",
+    "kt_lora_expert_intermediate_size": "sizes GPU-side LoRA experts for training; SGLang's kt-kernel does not "
+                                        "serve them",
+}
+
+# What `infer_backend: ktransformers` cannot start without (SGLang needs --kt-num-gpu-experts
+# whenever --kt-weight-path is set; kt_cpuinfer also sizes the replica's CPU reservation).
+KT_REQUIRED_FIELDS = ("kt_weight_path", "kt_method", "kt_cpuinfer", "kt_num_gpu_experts")
 
 
 class EngineConfig(BaseModel):
@@ -147,13 +158,31 @@ class EngineConfig(BaseModel):
     sglang_tp_size: int = -1
     sglang_config: dict[str, Any] | str | None = None
     sglang_lora_backend: Literal["triton", "flashinfer"] = "triton"
+    # lmserve: how the SGLang server child process is started and supervised.
+    sglang_launch_command: list[str] | None = Field(
+        None, description="Command that starts the server, before the flags lmserve derives from this "
+        "config; None = [<this python>, -m, sglang.launch_server]. Tests put the stand-in server here.")
+    sglang_start_timeout_s: float = Field(
+        900, gt=0, description="Seconds to wait for the server's /health to answer 200 after launch "
+        "(loading weights and capturing CUDA graphs of large models takes minutes).")
+    sglang_health_timeout_s: float = Field(
+        20, gt=0, description="Seconds a /health probe of a running server may take before the replica "
+        "counts as unhealthy (SGLang's own SGLANG_HEALTH_CHECK_TIMEOUT is 20).")
 
     # --- KTransformers (LLaMA-Factory KTransformersArguments + kt-kernel launch flags) ---
-    kt_weight_path: str | None = None
-    kt_method: str | None = None
-    kt_cpuinfer: int | None = None
-    kt_threadpool_count: int | None = None
-    kt_num_gpu_experts: int | None = None
+    use_kt: bool = Field(False, description="LLaMA-Factory's KTransformers switch; with lmserve it "
+                         "needs infer_backend: ktransformers.")
+    kt_weight_path: str | None = Field(None, description="CPU expert weights (kt-kernel format) -> --kt-weight-path")
+    kt_method: str | None = Field(None, description="kt-kernel method, e.g. AMXINT4, AMXINT8, LLAMAFILE -> --kt-method")
+    kt_cpuinfer: int | None = Field(None, gt=0, description="CPU threads for the experts -> --kt-cpuinfer; "
+                                    "also the CPUs the replica reserves")
+    kt_threadpool_count: int | None = Field(None, gt=0, description="NUMA thread pools -> --kt-threadpool-count")
+    kt_num_gpu_experts: int | None = Field(None, ge=0, description="experts per MoE layer kept on the GPU "
+                                           "-> --kt-num-gpu-experts")
+    kt_expert_checkpoint_path: str | None = None
+    kt_use_lora_experts: bool | None = None
+    kt_lora_expert_num: int | None = None
+    kt_lora_expert_intermediate_size: int | None = None
 
     # --- reward models (LLaMA-Factory FinetuningArguments.stage) ---
     stage: Literal["pt", "sft", "rm", "ppo", "dpo", "kto"] = Field(
@@ -190,6 +219,28 @@ class EngineConfig(BaseModel):
         for name, value in self.extra_inert.items():
             if value != _INERT_FIELDS[name]:
                 logger.warning("config field %r=%r has no effect in lmserve", name, value)
+        return self
+
+    @field_validator(*_KT_TRAINING_FIELDS)
+    @classmethod
+    def _kt_training_only(cls, value: Any, info: Any) -> Any:
+        if value not in (None, False):
+            raise ValueError(f"a LLaMA-Factory training option that lmserve cannot serve: it "
+                             f"{_KT_TRAINING_FIELDS[info.field_name]}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_kt(self) -> "EngineConfig":
+        if self.use_kt and self.infer_backend != "ktransformers":
+            raise ValueError(f"use_kt: true needs infer_backend: ktransformers (got {self.infer_backend!r})")
+        if self.infer_backend == "ktransformers":
+            missing = [name for name in KT_REQUIRED_FIELDS if getattr(self, name) is None]
+            if missing:
+                raise ValueError(f"infer_backend 'ktransformers' needs {', '.join(KT_REQUIRED_FIELDS)}; "
+                                 f"missing: {', '.join(missing)}")
+            if self.adapters:
+                raise ValueError("adapter_name_or_path: LoRA adapters are not served by the ktransformers "
+                                 "backend (not verified with kt-kernel); use infer_backend: sglang")
         return self
 
     @field_validator("model_name_or_path")
@@ -249,6 +300,27 @@ class EngineConfig(BaseModel):
             raise ConfigError(format_validation_error(exc, source)) from None
 
 
+def parse_mapping(value: dict[str, Any] | str | None, field: str) -> dict[str, Any]:
+    """A mapping field that LLaMA-Factory also takes as JSON text (`vllm_config`, `sglang_config`).
+
+    Raises:
+        ConfigError: text that is not a JSON object, naming `field`.
+    """
+    import json
+
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{field}: not a JSON object: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{field}: expected a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """`["key=value", ...]` -> `{key: value}`, values parsed as YAML scalars (LLaMA-Factory's
     command-line overrides: `infer_backend=vllm vllm_enforce_eager=true`).
@@ -290,8 +362,10 @@ def format_validation_error(exc: ValidationError, source: str | None = None) -> 
     """One readable line per pydantic error, each naming its field."""
     lines = []
     for err in exc.errors():
-        field = ".".join(str(part) for part in err["loc"]) or "(root)"
-        if err["type"] == "extra_forbidden":
+        field = ".".join(str(part) for part in err["loc"])
+        if not field:  # a check across fields: its message names them
+            lines.append(err["msg"].removeprefix("Value error, "))
+        elif err["type"] == "extra_forbidden":
             lines.append(f"unknown field {field!r}")
         else:
             lines.append(f"field {field!r}: {err['msg']} (got {err.get('input')!r})")

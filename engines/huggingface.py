@@ -23,14 +23,13 @@ from engines.base import (
     EngineUnavailableError,
     GenerationDelta,
     GenerationRequest,
-    InvalidRequestError,
     ModelInfo,
     ModelLoadError,
     NotSupportedError,
     SamplingParams,
     TokenLogprob,
     Usage,
-    resolve_max_tokens,
+    prepare_generation,
 )
 from engines.config import EngineConfig
 from engines.continuous_batching import BatchRequest, ContinuousBatcher
@@ -293,24 +292,12 @@ class HuggingFaceEngine(Engine):
     def _new_state(self, request: GenerationRequest) -> _RequestState:
         import torch
 
-        cfg = self.config
-        params = request.sampling_params.resolve_defaults(
-            do_sample=cfg.do_sample, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            repetition_penalty=cfg.repetition_penalty,
-        )
-        max_tokens = resolve_max_tokens(len(request.prompt_token_ids), params.max_tokens, cfg.max_new_tokens,
-                                        self.model_info().max_model_len)
+        vocab = max(len(self._tokenizer), self._model.get_output_embeddings().weight.shape[0])
+        params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
+                                                vocab_size=vocab)
         if params.structured_output is not None:  # the ingress refuses it first (Capabilities)
             raise NotSupportedError("response_format (JSON output) is not supported by the huggingface backend",
                                     param="response_format")
-        if request.lora_name is not None and request.lora_name not in self.config.lora_adapters:
-            raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
-                                      f"{sorted(self.config.lora_adapters)}", param="model")
-        vocab = len(self._tokenizer)
-        for tid in params.stop_token_ids:
-            if not 0 <= tid < max(vocab, self._model.get_output_embeddings().weight.shape[0]):
-                raise InvalidRequestError(f"stop_token_ids: {tid} is not a token id of this model",
-                                          param="stop_token_ids")
         generator = torch.Generator(device=self._model.device)
         generator.manual_seed(params.seed if params.seed is not None else uuid.uuid4().int & (2**63 - 1))
         return _RequestState(

@@ -11,6 +11,7 @@ Three kinds of names:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -55,6 +56,27 @@ def resolve_model_path(name: str) -> Path:
     if looks_local:
         return check_model_dir(path)
     return _download_from_hub(name)
+
+
+# config.json keys that bound a model's context length (the ones vLLM reads first).
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "max_sequence_length", "max_seq_length")
+
+
+def model_config_json(model_path: Path) -> dict:
+    """The model's config.json with a multimodal model's `text_config` merged under it ({} if none)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {**cfg.get("text_config", {}), **cfg}
+
+
+def model_max_len(model_path: Path) -> int | None:
+    """The context length declared in the model's config.json (tokens), if any."""
+    cfg = model_config_json(model_path)
+    lengths = [int(cfg[k]) for k in _MAX_LEN_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 0]
+    return min(lengths) if lengths else None
 
 
 def check_model_dir(path: Path) -> Path:

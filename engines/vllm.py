@@ -15,7 +15,6 @@ vLLM reserves `vllm_gpu_util` of the machine's RAM.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from contextlib import aclosing
@@ -35,17 +34,12 @@ from engines.base import (
     StructuredOutput,
     TokenLogprob,
     Usage,
-    resolve_max_tokens,
+    prepare_generation,
 )
-from engines.config import ConfigError, EngineConfig
-from engines.model_source import resolve_model_path
+from engines.config import ConfigError, EngineConfig, parse_mapping
+from engines.model_source import model_max_len, resolve_model_path
 
 logger = logging.getLogger(__name__)
-
-# config.json keys that bound a model's context length (the ones vLLM reads first).
-_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                 "max_sequence_length", "max_seq_length")
-
 
 def pick_vllm_dtype(infer_dtype: str, device: str) -> str:
     """The `dtype` engine argument for `infer_dtype` on `device` ("cpu", "cuda", ...).
@@ -71,28 +65,7 @@ def parse_vllm_config(value: dict[str, Any] | str | None) -> dict[str, Any]:
     Raises:
         ConfigError: text that is not a JSON object.
     """
-    if value is None:
-        return {}
-    if isinstance(value, dict):
-        return dict(value)
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"vllm_config: not a JSON object: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise ConfigError(f"vllm_config: expected a JSON object, got {type(parsed).__name__}")
-    return parsed
-
-
-def model_max_len(model_path: Path) -> int | None:
-    """The context length declared in the model's config.json (tokens), if any."""
-    try:
-        cfg = json.loads((model_path / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    cfg = {**cfg.get("text_config", {}), **cfg}
-    lengths = [int(cfg[k]) for k in _MAX_LEN_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 0]
-    return min(lengths) if lengths else None
+    return parse_mapping(value, "vllm_config")
 
 
 def engine_arguments(config: EngineConfig, model_path: Path | str, device: str) -> dict[str, Any]:
@@ -226,6 +199,11 @@ class VLLMEngine(Engine):
 
     # ---- lifecycle -------------------------------------------------------------------------
 
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        """Raises ConfigError for a `vllm_config` that is not a JSON object."""
+        parse_vllm_config(config.vllm_config)
+
     async def start(self) -> None:
         self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
         try:
@@ -350,24 +328,10 @@ class VLLMEngine(Engine):
         from vllm.v1.engine.exceptions import EngineDeadError
 
         llm = self._require_llm()
-        cfg = self.config
-        params = request.sampling_params.resolve_defaults(
-            do_sample=cfg.do_sample, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            repetition_penalty=cfg.repetition_penalty,
-        )
+        params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
+                                                vocab_size=self._vocab_size)
         prompt_ids = list(request.prompt_token_ids)
-        max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, cfg.max_new_tokens,
-                                        self.model_info().max_model_len)
-        for tid in params.stop_token_ids:
-            if not 0 <= tid < self._vocab_size:
-                raise InvalidRequestError(f"stop_token_ids: {tid} is not a token id of this model",
-                                          param="stop_token_ids")
-        lora_request = None
-        if request.lora_name is not None:
-            lora_request = self._lora_requests.get(request.lora_name)
-            if lora_request is None:
-                raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
-                                          f"{sorted(self._lora_requests)}", param="model")
+        lora_request = self._lora_requests[request.lora_name] if request.lora_name is not None else None
         try:
             vllm_params = VLLMSamplingParams(**sampling_arguments(params, max_tokens),
                                              output_kind=RequestOutputKind.DELTA)

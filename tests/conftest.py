@@ -14,6 +14,17 @@ from typing import Any
 import pytest
 
 TEST_API_KEY = "lmserve-test-key"
+# The fields `infer_backend: ktransformers` needs (EngineConfig refuses it without them).
+KT_FIELDS = {"kt_weight_path": "/models/experts-int4", "kt_method": "AMXINT4", "kt_cpuinfer": 16,
+             "kt_num_gpu_experts": 4}
+
+
+def backend_config(backend: str, **fields):
+    """A valid `EngineConfig` for `backend` (the kt fields added for ktransformers)."""
+    from engines.config import EngineConfig
+
+    extra = KT_FIELDS if backend == "ktransformers" else {}
+    return EngineConfig(infer_backend=backend, **{**extra, **fields})
 ALLOWED_ORIGIN = "http://allowed.example"
 MAX_BODY_BYTES = 256 * 1024
 REQUEST_TIMEOUT_S = 15.0
@@ -26,6 +37,35 @@ async def collect(engine, request) -> list:
 
 def run(coro) -> Any:
     return asyncio.run(coro)
+
+
+def group_exists(pgid: int) -> bool:
+    """Whether any process (a zombie too) is left in process group `pgid`."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def chat(client, model, **kwargs):
+    """A chat completion through the official client: (`x-lmserve-backend` header, response)."""
+    raw = client.chat.completions.with_raw_response.create(model=model, **kwargs)
+    return raw.headers.get("x-lmserve-backend"), raw.parse()
+
+
+def assert_stream_matches_full(client, **args) -> list:
+    """The same chat request streamed (with usage) and not: same text, finish reason and usage.
+    Returns the streamed chunks."""
+    full = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    return chunks
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy
 from ray.serve.exceptions import BackPressureError
 
-from conftest import TEST_API_KEY
+from conftest import TEST_API_KEY, backend_config
 from deployments.app import build_app, model_deployment_options
 from deployments.autoscaling import queue_aware_policy
 from deployments.constants import MODEL_DEPLOYMENT_DEFAULTS, TARGET_ONGOING_REQUESTS
@@ -25,7 +25,7 @@ QUESTION = [{"role": "user", "content": "Count from one to fifty."}]
 
 @pytest.mark.parametrize("backend", BUILT_BACKENDS)
 def test_every_backend_autoscales_with_an_explicit_target(backend):
-    opts = model_deployment_options("m", EngineConfig(infer_backend=backend), {})
+    opts = model_deployment_options("m", backend_config(backend), {})
     auto = opts["autoscaling_config"]
     assert "num_replicas" not in opts
     assert auto["target_ongoing_requests"] == TARGET_ONGOING_REQUESTS[backend]

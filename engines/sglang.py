@@ -1,0 +1,525 @@
+"""The `sglang` backend: an SGLang server as a supervised child process, spoken to over HTTP.
+
+The replica starts `python -m sglang.launch_server` with flags derived from `EngineConfig`
+(LLaMA-Factory's names and defaults, `src/llamafactory/chat/sglang_engine.py`), on 127.0.0.1, a
+free port and a random API key of its own, waits for `/health`, and sends every request to
+SGLang's native `POST /generate` with the prompt token ids from lmserve's renderer (so SGLang
+sees the same ids as every other backend). The streamed answer (SSE `data: {...}` lines, each
+with the choice's cumulative `text` and `meta_info`) is turned into `GenerationDelta`s; a
+request that is given up (client gone) is aborted with `POST /abort_request`.
+
+Wire shapes mirror SGLang's source (sgl-project/sglang, `python/sglang/srt/`):
+`entrypoints/http_server.py` (routes, SSE framing, error bodies), `managers/io_struct.py`
+(`GenerateReqInput`, `AbortReq`), `managers/tokenizer_manager.py` (`meta_info`: `id`,
+`finish_reason`, `prompt_tokens`, `completion_tokens`; `index` for `n > 1`; logprobs as
+`[logprob, token_id, text]`), `managers/schedule_batch.py` (`finish_reason` objects
+`{"type": "stop", "matched": ...}`, `{"type": "length", "length": n}`, `{"type": "abort", ...}`),
+`sampling/sampling_params.py` (sampling fields; `top_k: -1` = off, `temperature: 0` = greedy)
+and `server_args.py` (launch flags).
+
+SGLang is not imported here (it needs CUDA); `sglang_launch_command` replaces the launch command,
+which is how the tests start the stand-in server (`tests/standins/sglang_server.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+
+from engines.base import (
+    Capabilities,
+    Engine,
+    EngineUnavailableError,
+    GenerationDelta,
+    GenerationRequest,
+    InvalidRequestError,
+    ModelInfo,
+    ModelLoadError,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+    prepare_generation,
+)
+from engines.config import ConfigError, EngineConfig, parse_mapping
+from engines.model_source import model_config_json, model_max_len, resolve_model_path
+from engines.server_process import ServerProcess
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LAUNCH_COMMAND = (sys.executable, "-m", "sglang.launch_server")
+HOST = "127.0.0.1"
+# Server flags that change the stream this module parses (cumulative text per choice).
+_REFUSED_FLAGS = {
+    "--incremental-streaming-output": "it makes the stream send text deltas where lmserve reads cumulative text",
+    "--skip-tokenizer-init": "the server then returns no text",
+}
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use: `CUDA_VISIBLE_DEVICES` (Ray sets it to the replica's GPUs),
+    else what torch sees; at least 1 (SGLang itself reports a machine without a GPU)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return max(1, len([d for d in visible.split(",") if d.strip()]))
+    try:
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    except Exception:  # noqa: BLE001 - no torch or no CUDA: SGLang will say so
+        return 1
+
+
+def context_length(config: EngineConfig, model_path: Path) -> int:
+    """`sglang_maxlen` (tokens), cut to the model's own context length with a warning: SGLang
+    refuses a longer `--context-length` unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set."""
+    declared = model_max_len(model_path)
+    if declared is not None and config.sglang_maxlen > declared:
+        logger.warning("sglang_maxlen=%d exceeds the model's context length %d; using %d",
+                       config.sglang_maxlen, declared, declared)
+        return declared
+    return config.sglang_maxlen
+
+
+def _flag(name: str) -> str:
+    return name if name.startswith("--") else "--" + name.replace("_", "-")
+
+
+def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int, api_key: str,
+                     max_len: int, tp_size: int | None = None,
+                     backend_flags: dict[str, list[str]] | None = None) -> list[str]:
+    """The flags of `sglang.launch_server` for `config` (argv after the command).
+
+    Mapping (SGLang `server_args.py` flag names): `model_path` -> `--model-path`; `--host
+    127.0.0.1 --port PORT`; `max_len` (from `sglang_maxlen`) -> `--context-length`;
+    `sglang_mem_fraction` -> `--mem-fraction-static`; `sglang_tp_size` (-1 = every GPU visible to
+    the replica, `tp_size`) -> `--tp-size`; `infer_dtype` other than auto -> `--dtype`;
+    `trust_remote_code` -> `--trust-remote-code`; every adapter of `adapter_name_or_path` ->
+    `--lora-paths NAME=PATH ...` (the names the ingress exposes as `<model_id>:<name>`) with
+    `--lora-backend` from `sglang_lora_backend` and `--max-loras-per-batch` = the adapter count;
+    `--api-key` (the replica's own); `--enable-metrics`; then `backend_flags` (the
+    `ktransformers` backend's `--kt-*`). Last, `sglang_config` (a mapping or JSON
+    text; LLaMA-Factory parses it and never uses it) adds or replaces flags: `{"chunked_prefill_size":
+    4096}` -> `--chunked-prefill-size 4096`, `true` -> the bare flag, `false`/`null` removes the
+    flag, a list -> several values.
+
+    Raises:
+        ConfigError: `sglang_config` that is not a mapping, or that sets a flag changing the
+            stream lmserve parses (`incremental_streaming_output`, `skip_tokenizer_init`).
+    """
+    tp = config.sglang_tp_size if config.sglang_tp_size > 0 else (tp_size or visible_gpu_count())
+    flags: dict[str, list[str]] = {
+        "--model-path": [str(model_path)],
+        "--host": [HOST],
+        "--port": [str(port)],
+        "--context-length": [str(max_len)],
+        "--mem-fraction-static": [str(config.sglang_mem_fraction)],
+        "--tp-size": [str(tp)],
+        "--api-key": [api_key],
+        "--enable-metrics": [],
+    }
+    if config.infer_dtype != "auto":
+        flags["--dtype"] = [config.infer_dtype]
+    if config.trust_remote_code:
+        flags["--trust-remote-code"] = []
+    adapters = config.lora_adapters
+    if adapters:
+        flags["--lora-paths"] = [f"{name}={path}" for name, path in adapters.items()]
+        flags["--lora-backend"] = [config.sglang_lora_backend]
+        flags["--max-loras-per-batch"] = [str(len(adapters))]
+    flags.update(backend_flags or {})
+    for name, value in parse_mapping(config.sglang_config, "sglang_config").items():
+        key = _flag(name)
+        if key in _REFUSED_FLAGS and value not in (None, False):
+            raise ConfigError(f"sglang_config: {name!r} cannot be used: {_REFUSED_FLAGS[key]}")
+        if value is None or value is False:
+            flags.pop(key, None)
+        elif value is True:
+            flags[key] = []
+        elif isinstance(value, (list, tuple)):
+            flags[key] = [str(v) for v in value]
+        else:
+            flags[key] = [str(value)]
+    return [item for key, values in flags.items() for item in (key, *values)]
+
+
+def sampling_params_payload(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """SGLang `sampling_params` (`sampling/sampling_params.py` names) for resolved lmserve params.
+
+    `max_tokens` -> `max_new_tokens`; `top_k` 0/None -> -1 (SGLang's "off"); `temperature: 0` is
+    greedy in both. `seed` is not sent (the backend declares no seed support).
+    """
+    return {
+        "max_new_tokens": max_tokens,
+        "n": params.n,
+        "temperature": params.temperature,
+        "top_p": params.top_p if params.top_p is not None else 1.0,
+        "top_k": params.top_k if params.top_k else -1,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty or 1.0,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "stop": list(params.stop),
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+        "skip_special_tokens": params.skip_special_tokens,
+    }
+
+
+def generate_payload(rid: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                     lora_name: str | None) -> dict[str, Any]:
+    """The JSON body of `POST /generate` (SGLang `GenerateReqInput`), always streamed."""
+    body: dict[str, Any] = {
+        "rid": rid,
+        "input_ids": list(prompt_ids),
+        "sampling_params": sampling_params_payload(params, max_tokens),
+        "stream": True,
+    }
+    if lora_name is not None:
+        body["lora_path"] = lora_name  # SGLang takes the adapter's name from --lora-paths here
+    if params.logprobs is not None:
+        body.update(return_logprob=True, top_logprobs_num=params.logprobs, return_text_in_logprobs=True)
+    return body
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def _error_message(body: Any) -> str:
+    """The message of an SGLang error body: `{"error": {"message": ...}}` (http_server's
+    `_create_error_response`), `{"message": ...}` (`ErrorResponse`) or `{"error": "..."}`."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)
+        return str(err)
+    return str(body)
+
+
+@dataclass
+class _Choice:
+    """One choice of a streamed request: what SGLang has sent and what was passed on."""
+
+    text: str = ""
+    emitted_chars: int = 0
+    tokens: int = 0
+    reported_tokens: int = 0
+    logprobs_seen: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+
+
+class _StreamParser:
+    """Turns SGLang's stream outputs (cumulative text per choice) into deltas.
+
+    Text that could be the start of a stop string is held back until the choice moves past it
+    or finishes: SGLang trims a matched stop string from the final text, possibly after having
+    streamed its first characters.
+    """
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.choices = [_Choice() for _ in range(params.n)]
+        self.rids: set[str] = set()
+        self.prompt_tokens = 0
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=sum(c.tokens for c in self.choices))
+
+    def feed(self, out: dict[str, Any]) -> GenerationDelta | None:
+        """One `data:` object of the stream -> a delta, or None while nothing can be passed on.
+
+        Raises:
+            InvalidRequestError: SGLang refused the request (`{"error": ...}`, or an abort with
+                status 400, e.g. a prompt longer than the context).
+            EngineUnavailableError: SGLang aborted it with status 500/503.
+        """
+        if "error" in out:
+            raise InvalidRequestError(f"sglang: {_error_message(out)}")
+        meta = out.get("meta_info") or {}
+        index = int(out.get("index", 0))
+        if not 0 <= index < len(self.choices):
+            raise EngineUnavailableError(f"sglang answered for choice {index} of {len(self.choices)}")
+        choice = self.choices[index]
+        if choice.finished:
+            return None
+        if meta.get("id"):
+            self.rids.add(str(meta["id"]))
+        self.prompt_tokens = int(meta.get("prompt_tokens", self.prompt_tokens))
+        choice.tokens = int(meta.get("completion_tokens", choice.tokens))
+        choice.text = out.get("text") or choice.text
+        self._take_logprobs(choice, meta)
+        finish, stop_reason = self._finish(meta.get("finish_reason"))
+        if finish is not None:
+            choice.finished = True
+            end = len(choice.text)
+        else:
+            end = len(choice.text.rstrip("\ufffd")) - self.hold if self.params.stop else len(choice.text.rstrip("\ufffd"))
+        if end <= choice.emitted_chars and finish is None:
+            return None
+        text = choice.text[choice.emitted_chars:end] if end > choice.emitted_chars else ""
+        choice.emitted_chars = max(choice.emitted_chars, end)
+        num_tokens, choice.reported_tokens = choice.tokens - choice.reported_tokens, choice.tokens
+        logprobs, choice.pending_logprobs = choice.pending_logprobs or None, []
+        return GenerationDelta(index=index, text=text, num_tokens=num_tokens, finish_reason=finish,
+                               stop_reason=stop_reason, logprobs=logprobs if self.params.logprobs is not None else None)
+
+    def _finish(self, reason: Any) -> tuple[str | None, str | int | None]:
+        """SGLang's `finish_reason` -> (lmserve finish reason, stop reason). `matched` is the stop
+        string or token id; an EOS token (not among `stop_token_ids`) gives no stop reason, as
+        in vLLM and OpenAI."""
+        if reason is None:
+            return None, None
+        kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+        if kind == "length":
+            return "length", None
+        if kind == "stop":
+            matched = reason.get("matched") if isinstance(reason, dict) else None
+            if isinstance(matched, int) and matched not in self.params.stop_token_ids:
+                matched = None
+            return "stop", matched
+        status = reason.get("status_code") if isinstance(reason, dict) else None
+        message = reason.get("message", "aborted") if isinstance(reason, dict) else "aborted"
+        if status == 400:
+            raise InvalidRequestError(f"sglang: {message}")
+        if status in (500, 503):
+            raise EngineUnavailableError(f"sglang aborted the request ({status}): {message}")
+        return "abort", None
+
+    def _take_logprobs(self, choice: _Choice, meta: dict[str, Any]) -> None:
+        """New entries of the cumulative `output_token_logprobs` / `output_top_logprobs`
+        (`[logprob, token_id, text]` each) -> `TokenLogprob`s waiting for the next delta."""
+        tokens = meta.get("output_token_logprobs")
+        if self.params.logprobs is None or not tokens:
+            return
+        tops = meta.get("output_top_logprobs") or []
+        for i in range(choice.logprobs_seen, len(tokens)):
+            logprob, token_id, text = tokens[i][:3]
+            alternatives = [TokenLogprob(int(t), s or "", float(lp)) for lp, t, s, *_ in (tops[i] or [])] \
+                if i < len(tops) else []
+            choice.pending_logprobs.append(TokenLogprob(int(token_id), text or "", float(logprob), alternatives))
+        choice.logprobs_seen = len(tokens)
+
+
+class SGLangEngine(Engine):
+    """Engine over an SGLang server child process (continuous batching, radix cache, TP, LoRA).
+
+    Args:
+        config: the model's `EngineConfig` (`infer_backend: sglang`).
+
+    The child is started by `start` in a process group of its own and ended with that group by
+    `shutdown`; if the replica itself is killed, Ray ends its child processes and SGLang's own
+    processes exit with their parent. `check_health` fails when the child has exited or its
+    `/health` does not answer 200 within `sglang_health_timeout_s`, so Ray Serve replaces the
+    replica. Seeds are not supported (SGLang seeds per request only in deterministic mode).
+    """
+
+    capabilities = Capabilities(backend="sglang", seed=False, logprobs=True, lora=True, response_format=False)
+    server_name = "sglang"
+    stop_grace_s = 10.0  # seconds between SIGTERM and SIGKILL of the server's process group
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path: Path | None = None
+        self.server: ServerProcess | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._info: ModelInfo | None = None
+        self._vocab_size: int | None = None
+        self._running = 0
+        self._aborts: set[asyncio.Task] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> None:
+        """Raises ConfigError for an `sglang_config` that cannot be turned into launch flags."""
+        cls(config).launch_arguments(Path(config.model_name_or_path), 0, "", config.sglang_maxlen)
+
+    def launch_arguments(self, model_path: Path, port: int, api_key: str, max_len: int) -> list[str]:
+        """Flags for this backend's server (the `ktransformers` backend adds its own)."""
+        return launch_arguments(self.config, model_path, port=port, api_key=api_key, max_len=max_len)
+
+    def launch_command(self, model_path: Path, port: int, api_key: str, max_len: int) -> list[str]:
+        """`sglang_launch_command` (default `python -m sglang.launch_server`) + the flags."""
+        prefix = list(self.config.sglang_launch_command or DEFAULT_LAUNCH_COMMAND)
+        return prefix + self.launch_arguments(model_path, port, api_key, max_len)
+
+    async def start(self) -> None:
+        """Resolve the model, launch the server and wait until its `/health` answers 200.
+
+        Raises:
+            ModelLoadError: the model is missing; the server cannot be executed, exits during
+                start-up (its last output lines quoted) or is not ready within
+                `sglang_start_timeout_s`.
+        """
+        self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
+        max_len = context_length(self.config, self.model_path)
+        self._vocab_size = model_config_json(self.model_path).get("vocab_size")
+        port, api_key = _free_port(), secrets.token_urlsafe(24)
+        self._client = httpx.AsyncClient(base_url=f"http://{HOST}:{port}", headers={"Authorization": f"Bearer {api_key}"},
+                                         timeout=httpx.Timeout(None, connect=10))
+        self.server = ServerProcess(self.launch_command(self.model_path, port, api_key, max_len), self.server_name,
+                                    secrets=(api_key,))
+        try:
+            await self.server.start()
+            seconds = await self.server.wait_ready(self._ready, self.config.sglang_start_timeout_s)
+            info = await self._server_info()
+        except BaseException:
+            await self.shutdown()
+            raise
+        self._info = ModelInfo(max_model_len=int(info.get("context_length") or max_len),
+                               dtype=str(info.get("dtype") or self.config.infer_dtype),
+                               device=str(info.get("device") or "cuda"))
+        logger.info("%s server ready after %.1f s (pid %s): %s, context %d tokens, adapters %s", self.server_name,
+                    seconds, self.server.pid, self.model_path, self._info.max_model_len, list(self.config.lora_adapters))
+
+    async def _ready(self) -> bool:
+        try:
+            response = await self._client.get("/health", timeout=5)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def _server_info(self) -> dict[str, Any]:
+        """`/get_model_info` (must be a generation model) merged with `/get_server_info`
+        (SGLang's `ServerArgs`: `context_length`, `dtype`, `device`, ...).
+
+        Raises:
+            ModelLoadError: the server serves an embedding or reward model, or answers oddly.
+        """
+        try:
+            model = (await self._client.get("/get_model_info", timeout=30)).raise_for_status().json()
+            server = (await self._client.get("/get_server_info", timeout=30)).raise_for_status().json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise ModelLoadError(f"{self.server_name} server answered its info routes oddly: {exc}") from exc
+        if not model.get("is_generation", True):
+            raise ModelLoadError(f"{self.model_path} is not a generation model (SGLang is_generation=false)")
+        return {**server, **model}
+
+    def model_info(self) -> ModelInfo:
+        if self._info is None:
+            raise EngineUnavailableError("engine not started")
+        return self._info
+
+    def _require_client(self) -> httpx.AsyncClient:
+        if self._client is None or self.server is None or self._info is None:
+            raise EngineUnavailableError(f"{self.server_name} engine: not started or shut down")
+        self.server.check_alive()
+        return self._client
+
+    async def check_health(self) -> None:
+        """Raises EngineUnavailableError when the server has exited, or its `/health` does not
+        answer 200 within `sglang_health_timeout_s` seconds."""
+        client = self._require_client()
+        try:
+            response = await client.get("/health", timeout=self.config.sglang_health_timeout_s)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailableError(f"{self.server_name} server does not answer /health: "
+                                         f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise EngineUnavailableError(f"{self.server_name} server /health answered {response.status_code}")
+
+    async def shutdown(self) -> None:
+        """End the server's process group (SIGTERM, then SIGKILL) and close the HTTP client."""
+        for task in list(self._aborts):
+            task.cancel()
+        client, self._client = self._client, None
+        server, self._info = self.server, None
+        if server is not None:
+            await server.stop(self.stop_grace_s)
+        if client is not None:
+            await client.aclose()
+
+    @property
+    def num_running(self) -> int:
+        """Requests this replica has in flight at the server."""
+        return self._running
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        client = self._require_client()
+        params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
+                                                vocab_size=self._vocab_size)
+        prompt_ids = list(request.prompt_token_ids)
+        # SGLang refuses a duplicate rid; ours may repeat (a client's x-request-id), so add a suffix.
+        rid = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+        parser = _StreamParser(params)
+        parser.rids.add(rid)
+        body = generate_payload(rid, prompt_ids, params, max_tokens, request.lora_name)
+        self._running += 1
+        try:
+            async with client.stream("POST", "/generate", json=body) as response:
+                if response.status_code != 200:
+                    raise await self._http_error(response)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        break
+                    delta = parser.feed(json.loads(data))
+                    if parser.done:
+                        delta = delta or GenerationDelta(index=params.n - 1)
+                        delta.usage = parser.usage()
+                    if delta is not None:
+                        yield delta
+                    if parser.done:
+                        return
+            raise EngineUnavailableError(f"{self.server_name} server ended the stream before every choice finished")
+        except httpx.HTTPError as exc:
+            if self.server is not None:
+                self.server.check_alive()  # a dead server says why
+            raise EngineUnavailableError(f"{self.server_name} server: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._running -= 1
+            if not parser.done:
+                self._abort_soon(sorted(parser.rids))
+
+    async def _http_error(self, response: httpx.Response) -> Exception:
+        """A non-200 answer to /generate as an engine error (400: the request; else: the server)."""
+        await response.aread()
+        try:
+            message = _error_message(response.json())
+        except ValueError:
+            message = response.text[:500]
+        if response.status_code == 400:
+            return InvalidRequestError(f"sglang: {message}")
+        return EngineUnavailableError(f"{self.server_name} server answered {response.status_code}: {message}")
+
+    def _abort_soon(self, rids: list[str]) -> None:
+        """Abort these request IDs at the server, without waiting (we may be being cancelled).
+
+        For `n > 1` SGLang gives every choice a request ID of its own; the ones seen in the
+        stream's `meta_info.id` are aborted with the request's own.
+        """
+        if self._client is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._abort(self._client, rids))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, client: httpx.AsyncClient, rids: list[str]) -> None:
+        for rid in rids:
+            try:
+                await client.post("/abort_request", json={"rid": rid}, timeout=10)
+            except httpx.HTTPError as exc:
+                logger.warning("%s: could not abort request %s: %s", self.server_name, rid, exc)
