@@ -14,6 +14,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -87,6 +88,15 @@ class _RequestState:
     eos_ids: set[int]
     generator: Any
     choices: list[_Choice] = field(default_factory=list)
+
+
+def _emit_to_loop(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, items: Any) -> None:
+    """Hand a batch step's items (or an exception) from the batcher thread to a request's loop;
+    dropped when that loop is already closed (its caller is gone, nobody is left to read them)."""
+    try:
+        loop.call_soon_threadsafe(events.put_nowait, items)
+    except RuntimeError:  # "Event loop is closed"
+        pass
 
 
 class HuggingFaceEngine(Engine):
@@ -236,7 +246,7 @@ class HuggingFaceEngine(Engine):
             request_id=request.request_id, prompt_ids=state.prompt_ids, params=state.params,
             max_tokens=state.max_tokens, eos_ids=state.eos_ids, generator=state.generator,
             lora_name=request.lora_name, model_inputs=self._model_inputs(request),
-            emit=lambda items: loop.call_soon_threadsafe(events.put_nowait, items),
+            emit=partial(_emit_to_loop, loop, events),
         )
         self._batcher.submit(batch_request)
         try:
