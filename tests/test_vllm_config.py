@@ -67,8 +67,11 @@ def test_dtype_auto_is_float32_on_cpu_and_explicit_wins():
     assert pick_vllm_dtype("float16", "cuda") == "float16"
 
 
-def test_cpu_runs_eagerly_unless_vllm_config_says_otherwise(model_path):
-    assert engine_arguments(EngineConfig(infer_backend="vllm"), model_path, "cpu")["enforce_eager"] is True
+def test_enforce_eager_follows_the_config_on_every_device(model_path):
+    for device in ("cpu", "cuda"):
+        assert engine_arguments(EngineConfig(infer_backend="vllm"), model_path, device)["enforce_eager"] is False
+        assert engine_arguments(EngineConfig(infer_backend="vllm", vllm_enforce_eager=True), model_path,
+                                device)["enforce_eager"] is True
 
 
 def test_every_adapter_becomes_a_lora(model_path):
