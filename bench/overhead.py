@@ -10,7 +10,9 @@ its requests round-robin, one at a time, so each variant sees the same machine s
   model replica, user code on its own event-loop thread);
 - `lmserve-throughput-optimized`: the same with `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (Ray >= 2.56:
   the ingress replica serves HTTP itself with no proxy hop, gRPC between replicas, user code on the
-  replica's main loop; see Ray's "Enable High Throughput on Ray Serve" guide).
+  replica's main loop; see Ray's "Enable High Throughput on Ray Serve" guide);
+- or the servers given by `--variant NAME:ENV=VALUE,...` (e.g.
+  `--variant group200:LMSERVE_STREAM_BATCHING_INTERVAL_MS=200`).
 
 It prints TTFT and inter-token latency p50/p95 per variant and each server's TTFT p50 minus the
 in-process one; `--out` writes the records as JSON. Prompts are rendered once by `engines.prompt`,
@@ -35,6 +37,12 @@ from bench.metrics import Chunk, RequestRecord, count_tokens, itl_samples, perce
 from bench.servers import ServerProcess, free_port
 
 MODEL_ID = "smollm2"
+
+
+def _variant(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME[:ENV=VALUE,...]` -> (name, environment) for `--variant`."""
+    name, _, env = text.partition(":")
+    return name, dict(item.split("=", 1) for item in env.split(",") if item)
 
 
 def _tokens(records: list[RequestRecord]) -> int:
@@ -67,10 +75,9 @@ async def main(opts: argparse.Namespace) -> None:
     prompt_ids = [renderer.render_chat([{"role": "user", "content": p}]) for p in prompts]
     log_dir = Path(tempfile.mkdtemp(prefix="lmoverhead-logs-"))
 
-    servers = {
-        "lmserve": _server("default", {}, log_dir),
-        "lmserve-throughput-optimized": _server("tput", {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, log_dir),
-    }
+    variants = dict(opts.variant) if opts.variant else {
+        "lmserve": {}, "lmserve-throughput-optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+    servers = {name: _server(f"v{i}", env, log_dir) for i, (name, env) in enumerate(variants.items())}
     engine = create_engine(EngineConfig(model_name_or_path=str(model_dir), infer_dtype="float32"))
     try:
         for proc, _ in servers.values():
@@ -141,5 +148,8 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=1, help="concurrent streams per round (default 1)")
+    parser.add_argument("--variant", action="append", type=_variant, metavar="NAME[:ENV=VALUE,...]",
+                        help="a server variant with extra environment variables (repeatable; default: "
+                             "lmserve and lmserve-throughput-optimized)")
     parser.add_argument("--out", type=Path)
     asyncio.run(main(parser.parse_args()))
