@@ -34,7 +34,8 @@ import httpx
 from bench import venvs
 from bench.loadgen import chat_payload, run_level, stream_chat
 from bench.metrics import Chunk, RequestRecord, count_tokens, itl_samples, percentile
-from bench.servers import ServerProcess, free_port
+from bench.servers import ServerProcess
+from engines.server_process import free_port
 
 MODEL_ID = "smollm2"
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.servers import free_port
+from engines.server_process import free_port
 
 PROMPTS = ["Tell me about lighthouses.", "Describe a storm at sea.", "Write a short poem about rain.",
            "Explain how a bicycle works.", "What do cats like to eat?", "Describe a busy market."]

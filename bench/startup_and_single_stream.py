@@ -81,7 +81,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
     print(f"first answer: {answer!r}")
-    print(f"| metric | value |\n|---|---|")
+    print("| metric | value |\n|---|---|")
     print(f"| `serve run` -> first answer | {first_answer_s:.1f} s |")
     print(f"| single stream TTFT p50 | {statistics.median(ttfts) * 1000:.0f} ms |")
     print(f"| single stream output tokens/s (median of {args.requests}, {args.max_tokens} tokens) | {statistics.median(rates):.1f} |")

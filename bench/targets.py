@@ -29,7 +29,8 @@ from typing import Callable
 from bench import venvs
 from bench.loadgen import http_level
 from bench.metrics import LevelResult, RequestRecord, count_tokens, summarize
-from bench.servers import ServerProcess, StartError, free_port
+from bench.servers import ServerProcess, StartError
+from engines.server_process import free_port
 
 MODEL_ID = "smollm2"
 TARGETS = ("lmserve-hf", "inprocess-hf", "lmserve-vllm", "inprocess-vllm", "vllm-serve", "llamafactory")

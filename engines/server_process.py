@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import sys
 import time
 from typing import Awaitable, Callable
@@ -198,6 +199,14 @@ class ServerProcess:
         if _group_exists(pgid):
             logger.warning("%s: process group %d still has members (zombies not yet reaped)", self.name, pgid)
         logger.info("%s (pid %d) stopped with status %s", self.name, pgid, proc.returncode)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` now (the OS picks it; another process may still take it
+    before it is bound again)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ from engines.base import (
 )
 from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.model_source import model_config_json, model_max_len, resolve_model_path
-from engines.server_process import ServerProcess
+from engines.server_process import ServerProcess, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -190,12 +189,6 @@ def generate_payload(rid: str, prompt_ids: list[int], params: SamplingParams, ma
     if params.logprobs is not None:
         body.update(return_logprob=True, top_logprobs_num=params.logprobs, return_text_in_logprobs=True)
     return body
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def _error_message(body: Any) -> str:
@@ -373,7 +366,7 @@ class SGLangEngine(Engine):
         self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
         max_len = context_length(self.config, self.model_path)
         self._vocab_size = model_config_json(self.model_path).get("vocab_size")
-        port, api_key = _free_port(), secrets.token_urlsafe(24)
+        port, api_key = free_port(HOST), secrets.token_urlsafe(24)
         self._client = httpx.AsyncClient(base_url=f"http://{HOST}:{port}", headers={"Authorization": f"Bearer {api_key}"},
                                          timeout=httpx.Timeout(None, connect=10))
         self.server = ServerProcess(self.launch_command(self.model_path, port, api_key, max_len), self.server_name,

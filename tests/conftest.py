@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 from typing import Any
 
 import pytest
+
+from engines.server_process import free_port
 
 TEST_API_KEY = "lmserve-test-key"
 # The fields `infer_backend: ktransformers` needs (EngineConfig refuses it without them).
@@ -176,10 +177,6 @@ def renderer(model_dir):
     return PromptRenderer.from_pretrained(model_dir)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # Ray exports metrics every 2 s instead of 10 s, and Ray Serve's handles and replicas report
@@ -194,7 +191,7 @@ METRICS_EXPORT_INTERVAL_S = 2
 
 @pytest.fixture(scope="session")
 def metrics_port() -> int:
-    return _free_port()
+    return free_port()
 
 
 @pytest.fixture(scope="session")
@@ -218,7 +215,7 @@ def serve_url(model_dir, lora_dir, metrics_port):
 
     for key, value in TEST_RAY_ENV.items():
         os.environ.setdefault(key, value)
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({

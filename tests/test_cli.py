@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import _free_port
+from engines.server_process import free_port
 from engines.config import ConfigError, load_config_file, parse_overrides
 
 LMSERVE = [sys.executable, "-m", "deployments.cli"]
@@ -63,7 +63,7 @@ def test_chat_streams_keeps_history_and_clears(lf_config, model_dir):
 
 @pytest.mark.slow
 def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "API_PORT": str(port), "API_HOST": "127.0.0.1", "API_KEY": "cli-key",
            "API_MODEL_NAME": "my-sft"}
     proc = subprocess.Popen(LMSERVE + ["api", str(lf_config), "do_sample=false"], env=env,
@@ -98,7 +98,7 @@ def test_serve_drains_streams_on_sigterm(tmp_path, model_dir):
     import json
     import threading
 
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "serve_config.yaml"
     config.write_text(f"""
 http_options: {{host: 127.0.0.1, port: {port}}}
