@@ -6,17 +6,19 @@ size as the drift of a shared 2-core machine. This probe keeps every variant up 
 its requests round-robin, one at a time, so each variant sees the same machine state:
 
 - `inprocess`: the huggingface engine in this process (no Ray, no HTTP);
-- `lmserve`: `bench.lmserve_server` with Ray Serve's defaults (HTTP proxy -> ingress replica ->
-  model replica, user code on its own event-loop thread);
-- `lmserve-throughput-optimized`: the same with `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` (Ray >= 2.56:
-  the ingress replica serves HTTP itself with no proxy hop, gRPC between replicas, user code on the
-  replica's main loop; see Ray's "Enable High Throughput on Ray Serve" guide);
+- `lmserve`: `bench.lmserve_server` as `lmserve serve` runs it, in Ray Serve's high-throughput mode
+  (HAProxy on the HTTP port -> the ingress replica's own HTTP server -> gRPC -> model replica; see
+  deployments.constants.RAY_HIGH_THROUGHPUT_ENV);
+- `lmserve-ray-defaults`: the same with Ray Serve's defaults (Python HTTP proxy actor -> ingress
+  replica -> model replica over Ray actor calls, user code on its own event-loop thread);
 - or the servers given by `--variant NAME:ENV=VALUE,...` (e.g.
   `--variant group200:LMSERVE_STREAM_BATCHING_INTERVAL_MS=200`).
 
-It prints TTFT and inter-token latency p50/p95 per variant and each server's TTFT p50 minus the
-in-process one; `--out` writes the records as JSON. Prompts are rendered once by `engines.prompt`,
-as the ingress renders them.
+It prints TTFT and inter-token latency p50/p95 per variant, each server's TTFT p50 minus the
+in-process one, and the median of the per-round differences (same prompt, sent moments apart);
+`--out` writes the records as JSON. Prompts are rendered once by `engines.prompt`, as the ingress
+renders them. Each server runs its own Ray cluster, whose idle processes load the machine for
+every variant alike: fewer variants, less noise.
 """
 
 from __future__ import annotations
@@ -52,10 +54,21 @@ def _tokens(records: list[RequestRecord]) -> int:
                for r in records if r.ok)
 
 
+def _paired_difference(records: list[RequestRecord], inprocess: list[RequestRecord]) -> float:
+    """Median over rounds of this variant's TTFT minus the in-process TTFT of the same round and
+    stream slot (same prompt, sent moments apart): per-request pairs cancel the machine's drift,
+    which the difference of two medians does not. Seconds; NaN without pairs."""
+    pairs = [a.ttft - b.ttft for a, b in zip(records, inprocess) if a.ttft is not None and b.ttft is not None]
+    return percentile(pairs, 50) if pairs else float("nan")
+
+
 def _server(name: str, env_extra: dict[str, str], log_dir: Path) -> tuple[ServerProcess, str]:
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix=f"lmoverhead-{name}-")
-    args = {"models": [{"model_id": MODEL_ID, "model_name_or_path": "smollm2", "infer_dtype": "float32"}]}
+    # Both cores for the replica (torch threads = the replica's num_cpus), as serve_config.yaml and
+    # `python -m bench`; the in-process engine uses torch's default (all cores).
+    args = {"models": [{"model_id": MODEL_ID, "model_name_or_path": "smollm2", "infer_dtype": "float32",
+                        "deployment": {"ray_actor_options": {"num_cpus": 2}}}]}
     cmd = [str(venvs.REPO_ROOT / ".venv/bin/python"), "-m", "bench.lmserve_server", "--port", str(port),
            "--ray-temp-dir", temp_dir, "--args", json.dumps(args)]
     env = venvs.clean_env(**env_extra)
@@ -77,7 +90,7 @@ async def main(opts: argparse.Namespace) -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="lmoverhead-logs-"))
 
     variants = dict(opts.variant) if opts.variant else {
-        "lmserve": {}, "lmserve-throughput-optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+        "lmserve": {}, "lmserve-ray-defaults": {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}}
     servers = {name: _server(f"v{i}", env, log_dir) for i, (name, env) in enumerate(variants.items())}
     engine = create_engine(EngineConfig(model_name_or_path=str(model_dir), infer_dtype="float32"))
     try:
@@ -129,8 +142,8 @@ async def main(opts: argparse.Namespace) -> None:
     print(f"\n{opts.rounds} rounds of {opts.concurrency} concurrent stream(s), {opts.max_tokens} new tokens, "
           "variants interleaved round-robin\n")
     print("| variant | output tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | tok/s / in-process "
-          "| TTFT p50 - in-process ms |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|")
+          "| TTFT p50 - in-process ms | paired TTFT difference p50 ms |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, recs in records.items():
         ttfts = [r.ttft for r in recs if r.ttft is not None]
         itls = [x for r in recs for x in itl_samples(r)]
@@ -138,7 +151,8 @@ async def main(opts: argparse.Namespace) -> None:
         failed = sum(1 for r in recs if r.error)
         print(f"| {name}{f' ({failed} failed)' if failed else ''} | {tps:.1f} | {p50 * 1e3:.1f} | "
               f"{percentile(ttfts, 95) * 1e3:.1f} | {percentile(itls, 50) * 1e3:.1f} | "
-              f"{percentile(itls, 95) * 1e3:.1f} | {tps / base_tps:.2f}x | {(p50 - base) * 1e3:+.1f} |")
+              f"{percentile(itls, 95) * 1e3:.1f} | {tps / base_tps:.2f}x | {(p50 - base) * 1e3:+.1f} | "
+              f"{_paired_difference(recs, records['inprocess']) * 1e3:+.1f} |")
     if opts.out:
         opts.out.write_text(json.dumps({n: [r.to_dict() for r in rs] for n, rs in records.items()}))
 

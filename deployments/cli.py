@@ -22,12 +22,15 @@ from pathlib import Path
 
 import yaml
 
+from deployments.constants import apply_ray_high_throughput_env
 from engines.config import ConfigError, load_config_file
 
 
 def _api(args: argparse.Namespace) -> int:
     """Serve one model like `llamafactory-cli api`: API_HOST (0.0.0.0), API_PORT (8000),
-    API_KEY and API_MODEL_NAME (gpt-3.5-turbo) from the environment, as LLaMA-Factory reads them."""
+    API_KEY and API_MODEL_NAME (gpt-3.5-turbo) from the environment, as LLaMA-Factory reads them.
+    A cluster this starts runs in Ray Serve's high-throughput mode (`RAY_HIGH_THROUGHPUT_ENV`)."""
+    apply_ray_high_throughput_env()  # before Ray Serve's modules read their settings
     import ray
     from ray import serve
 
@@ -112,7 +115,9 @@ def _serve(args: argparse.Namespace) -> int:
     deleted first, which lets every replica finish its in-flight requests (up to its
     `graceful_shutdown_timeout_s`) while new requests are refused, and only then is Serve shut
     down. A second signal stops at once. (Ray's own `serve run` shuts down at once and cuts
-    open streams.)"""
+    open streams.) A cluster this starts runs in Ray Serve's high-throughput mode
+    (`RAY_HIGH_THROUGHPUT_ENV`: HAProxy, direct ingress, gRPC between replicas)."""
+    apply_ray_high_throughput_env()  # before Ray Serve's modules read their settings
     import signal
     import time
 

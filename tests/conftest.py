@@ -213,8 +213,11 @@ def serve_url(model_dir, lora_dir, metrics_port):
 
     from deployments.app import build_app
 
+    from deployments.constants import apply_ray_high_throughput_env
+
     for key, value in TEST_RAY_ENV.items():
         os.environ.setdefault(key, value)
+    apply_ray_high_throughput_env()  # the mode `lmserve serve` and k8s/rayservice.yaml run in
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})

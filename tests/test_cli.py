@@ -48,6 +48,24 @@ def test_config_error_names_field_and_file(lf_config):
     assert str(lf_config) in proc.stderr and "unknown field 'temprature'" in proc.stderr
 
 
+def test_clusters_start_in_ray_serve_high_throughput_mode_unless_the_environment_says_otherwise():
+    from deployments.constants import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
+
+    environ: dict[str, str] = {}
+    assert apply_ray_high_throughput_env(environ) == RAY_HIGH_THROUGHPUT_ENV == environ
+    environ = {"RAY_SERVE_ENABLE_HA_PROXY": "0"}  # the operator's choice stays
+    added = apply_ray_high_throughput_env(environ)
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in added and environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    assert environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+
+
+def _second_cluster_env(**extra: str) -> dict[str, str]:
+    """The environment of a command that starts its own Ray cluster beside the test session's."""
+    from deployments.constants import second_cluster_ports_env
+
+    return {**os.environ, **second_cluster_ports_env(), **extra}
+
+
 @pytest.mark.slow
 def test_chat_streams_keeps_history_and_clears(lf_config, model_dir):
     script = "What is the capital of France?\nWhat did I just ask you?\nclear\nexit\n"
@@ -64,8 +82,7 @@ def test_chat_streams_keeps_history_and_clears(lf_config, model_dir):
 @pytest.mark.slow
 def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
     port = free_port()
-    env = {**os.environ, "API_PORT": str(port), "API_HOST": "127.0.0.1", "API_KEY": "cli-key",
-           "API_MODEL_NAME": "my-sft"}
+    env = _second_cluster_env(API_PORT=str(port), API_HOST="127.0.0.1", API_KEY="cli-key", API_MODEL_NAME="my-sft")
     proc = subprocess.Popen(LMSERVE + ["api", str(lf_config), "do_sample=false"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -111,7 +128,8 @@ applications:
         - model_id: smollm2
           deployment: {{ray_actor_options: {{num_cpus: 1}}}}
 """)
-    proc = subprocess.Popen(LMSERVE + ["serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(LMSERVE + ["serve", str(config)], env=_second_cluster_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:

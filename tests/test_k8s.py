@@ -136,6 +136,17 @@ def test_rayservice_shape_head_cpu_gpu_autoscaling_resources_probes():
         assert params["metrics-export-port"] == str(METRICS_PORT)
 
 
+def test_every_pod_runs_ray_serve_high_throughput_mode():
+    """Ray reads these in every process (controller, HAProxy manager, replicas): every pod sets them,
+    with the values `lmserve serve` uses (deployments.constants.RAY_HIGH_THROUGHPUT_ENV)."""
+    from deployments.constants import RAY_HIGH_THROUGHPUT_ENV
+
+    for template in _pod_templates(_rayservice()):
+        for c in template["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            assert {k: env.get(k) for k in RAY_HIGH_THROUGHPUT_ENV} == RAY_HIGH_THROUGHPUT_ENV, c["name"]
+
+
 def test_images_are_this_version_on_the_pinned_ray():
     import ray
 
