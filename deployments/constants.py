@@ -145,8 +145,9 @@ STREAM_BATCHING_INTERVAL_S: float = _env_float("LMSERVE_STREAM_BATCHING_INTERVAL
 # Serve controller, the proxies and the replicas), so `lmserve serve` / `lmserve api` set them
 # before starting a local cluster unless the environment already sets them (`=0` turns them
 # off), and k8s/rayservice.yaml sets them on every pod. Measured on the project's 2-core
-# machine (bench.overhead, 1 stream): serving overhead over the in-process engine ~30 ms with
-# Ray Serve's defaults (Python HTTP proxy, Ray actor calls), ~9-12 ms in this mode.
+# machine (README, Performance): the serving path of one request takes ~30 ms with Ray Serve's
+# defaults (Python HTTP proxy, Ray actor calls) and ~8 ms in this mode; bench.overhead's TTFT p50
+# difference to the in-process engine went from +31 ms to +0 ms.
 # The mode would also buffer each replica's log records (1000) until an ERROR: lmserve keeps
 # Ray Serve's default of writing every record at once, so replica logs (an SGLang server's
 # output, a model's readiness) show as they happen. A second cluster on the same machine needs
