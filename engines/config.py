@@ -136,6 +136,12 @@ class EngineConfig(BaseModel):
     hf_max_batch_tokens: int = Field(
         65536, ge=1, description="Most tokens (prompt + max new tokens, per sequence) reserved by the "
         "running batch; bounds KV cache memory. Requests beyond either limit wait in the replica.")
+    hf_batch_wait_timeout_ms: float = Field(
+        50, ge=0, description="When the batch is empty, the longest a first request waits for others to join "
+        "its prefill (ms); 0 admits at once.")
+    hf_batch_wait_gap_ms: float = Field(
+        5, ge=0, description="The wait ends sooner once no request has arrived for this long (ms): a lone "
+        "request loses only this.")
 
     # --- images (LLaMA-Factory ProcessorArguments), vision-language models only ---
     image_max_pixels: int = Field(768 * 768, gt=0, description="Larger images are scaled down to this many "

@@ -7,7 +7,8 @@ KV cache is a transformers `DynamicCache`. Each scheduler step:
    leading columns that only hold padding;
 2. admits waiting requests while the batch stays within `max_num_seqs` rows and
    `max_batch_tokens` reserved tokens (prompt + max new tokens per row); their prompts are
-   prefilled together (left-padded) and their rows are merged into the batch;
+   prefilled together (left-padded) and their rows are merged into the batch. An empty batch
+   first holds its first request for the admission window (see `ContinuousBatcher`);
 3. decodes one token for every row in a single forward pass, with per-row positions and an
    attention mask that hides the padding, then samples each row with its own parameters and
    random generator.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -62,6 +64,8 @@ class BatchRequest:
     model_inputs: dict[str, Any] | None = None  # processor tensors of the images, on the model's device
     cancelled: bool = False
     finished_choices: set[int] = field(default_factory=set)
+    arrival_time: float = 0.0  # time.monotonic() when submitted (s), as vLLM's Request.arrival_time
+    scheduled_time: float | None = None  # time.monotonic() when admitted to the batch (s)
 
     @property
     def reserved_tokens(self) -> int:
@@ -90,10 +94,22 @@ class ContinuousBatcher:
             each), which bounds KV cache memory.
         use_kv_cache: False recomputes the whole sequence every step, one row at a time
             (LLaMA-Factory's `use_kv_cache: false`).
+        batch_wait_timeout_s: when the batch is empty, the longest a first request waits for
+            others to join its prefill (s); 0 admits it at once.
+        batch_wait_gap_s: the wait ends sooner, once no request has arrived for this long (s).
+
+    Admission window: requests that a burst of clients sends at once reach the replica spread
+    over 8-25 ms (measured at 16 streams: HTTP, the ingress, then the replica, one request after
+    another). Admitted as they come, the first one's prefill would start alone and the rest would
+    wait for all of it before their own (+150-230 ms TTFT p50 at 16 streams on 2 CPU cores). So an empty
+    batch holds its first request while others keep arriving, as Ray Serve's `@serve.batch`
+    waits up to `batch_wait_timeout_s` to fill a batch, but it stops waiting as soon as
+    arrivals pause for `batch_wait_gap_s`: a lone request loses only that gap. A running batch
+    admits at once (its decode steps go on meanwhile, so new requests join at the next step).
     """
 
     def __init__(self, model: Any, max_num_seqs: int = 32, max_batch_tokens: int = 65536,
-                 use_kv_cache: bool = True):
+                 use_kv_cache: bool = True, batch_wait_timeout_s: float = 0.0, batch_wait_gap_s: float = 0.0):
         self.model = model
         self.device = model.device
         # A peft model takes one adapter name per row ("__base__" = no adapter).
@@ -101,6 +117,8 @@ class ContinuousBatcher:
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.use_kv_cache = use_kv_cache
+        self.batch_wait_timeout_s = batch_wait_timeout_s
+        self.batch_wait_gap_s = batch_wait_gap_s
         self._waiting: deque[BatchRequest] = deque()
         self._rows: list[_Row] = []
         self._cache: Any = None
@@ -130,6 +148,7 @@ class ContinuousBatcher:
         return self._thread.is_alive() and not self._stopped
 
     def submit(self, request: BatchRequest) -> None:
+        request.arrival_time = time.monotonic()
         with self._wake:
             self._waiting.append(request)
             self._wake.notify_all()
@@ -162,6 +181,8 @@ class ContinuousBatcher:
             with self._wake:
                 while not self._stopped and not self._waiting and not self._rows:
                     self._wake.wait()
+                if all(r.done for r in self._rows):  # the batch is empty (or only finished rows)
+                    self._wait_for_arrivals()
                 if self._stopped:
                     break
             try:
@@ -174,6 +195,23 @@ class ContinuousBatcher:
                 self._rows, self._cache, self._mask, self._next_tokens = [], None, None, None
         for request in list(self._waiting) + [r.request for r in self._rows]:
             request.emit(RuntimeError("engine shut down"))
+
+    def _wait_for_arrivals(self) -> None:
+        """The admission window (see the class docstring); called with `_wake` held and the
+        batch empty. Returns when arrivals paused for `batch_wait_gap_s`, the first waiting
+        request has waited `batch_wait_timeout_s`, or the waiting requests fill `max_num_seqs`."""
+        if self.batch_wait_timeout_s <= 0 or self.batch_wait_gap_s <= 0:
+            return
+        while not self._stopped and self._waiting:
+            if (sum(r.params.n for r in self._waiting) >= self.max_num_seqs
+                    or sum(r.reserved_tokens for r in self._waiting) >= self.max_batch_tokens):
+                return
+            close = min(self._waiting[0].arrival_time + self.batch_wait_timeout_s,
+                        self._waiting[-1].arrival_time + self.batch_wait_gap_s)
+            remaining = close - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wake.wait(remaining)
 
     def _step(self) -> None:
         self.steps += 1
@@ -190,6 +228,7 @@ class ContinuousBatcher:
 
     def _admit(self) -> list[BatchRequest]:
         admitted: list[BatchRequest] = []
+        now = time.monotonic()
         with self._wake:
             rows = len(self._rows)
             reserved = sum({id(r.request): r.request.reserved_tokens for r in self._rows}.values())
@@ -202,6 +241,7 @@ class ContinuousBatcher:
                 if admitted and (request.model_inputs or admitted[0].model_inputs):
                     break  # a request with images is prefilled alone
                 self._waiting.popleft()
+                request.scheduled_time = now
                 admitted.append(request)
                 rows += n
                 reserved += request.reserved_tokens

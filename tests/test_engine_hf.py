@@ -224,3 +224,58 @@ def test_lora_adapters_mix_in_one_batch(model_dir, lora_dir, renderer, hf_engine
             run(collect(engine, one("nope")))
     finally:
         run(engine.shutdown())
+
+
+def _burst(model, ids, arrivals_s, timeout_s, gap_s, max_tokens=4):
+    """Submit one request per entry of `arrivals_s` (seconds after the first) to a fresh batcher
+    with the given admission window; returns the requests once all finished."""
+    import threading
+    import time
+
+    import torch
+
+    from engines.continuous_batching import BatchRequest, ContinuousBatcher
+
+    batcher = ContinuousBatcher(model, batch_wait_timeout_s=timeout_s, batch_wait_gap_s=gap_s)
+    batcher.start()
+    finished = threading.Semaphore(0)
+
+    def emit(items):
+        if isinstance(items, BaseException) or any(finish for _, _, finish, _, _ in items):
+            finished.release()
+
+    requests = [BatchRequest(f"w{k}", ids, SamplingParams(temperature=0, ignore_eos=True), max_tokens, set(),
+                             torch.Generator(), emit) for k in range(len(arrivals_s))]
+    try:
+        start = time.monotonic()
+        for request, at in zip(requests, arrivals_s):
+            time.sleep(max(0.0, start + at - time.monotonic()))
+            batcher.submit(request)
+        for _ in requests:
+            assert finished.acquire(timeout=60)
+    finally:
+        batcher.stop()
+    return requests
+
+
+def test_admission_window_gathers_a_spread_burst(hf_engine, renderer):
+    """Requests arriving 20 ms apart at an empty batch are prefilled together, once arrivals
+    have paused for the gap (engines/continuous_batching.py, admission window)."""
+    requests = _burst(hf_engine._model, renderer.render_chat(QUESTION), [0, 0.02, 0.04, 0.06], 5.0, 0.3)
+    assert len({r.scheduled_time for r in requests}) == 1
+    waited = requests[0].scheduled_time - requests[-1].arrival_time
+    assert 0.3 <= waited < 2.5
+
+
+def test_admission_window_off_admits_at_once(hf_engine, renderer):
+    """Without a window the first request starts alone and the later ones join afterwards."""
+    requests = _burst(hf_engine._model, renderer.render_chat(QUESTION), [0, 0.02, 0.04], 0.0, 0.0)
+    assert requests[0].scheduled_time < requests[1].scheduled_time
+
+
+def test_admission_window_is_bounded_by_the_timeout(hf_engine, renderer):
+    """Arrivals that never pause for the gap hold the first request no longer than the timeout."""
+    requests = _burst(hf_engine._model, renderer.render_chat(QUESTION), [0.1 * k for k in range(10)], 0.35, 0.3)
+    first = requests[0]
+    assert 0.35 <= first.scheduled_time - first.arrival_time < 0.8
+    assert first.scheduled_time < requests[-1].arrival_time
