@@ -142,6 +142,8 @@ class HuggingFaceEngine(Engine):
 
     def _load(self) -> None:
         import torch
+
+        from engines.attention import use_gqa_attention
         from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                                   GenerationConfig)
 
@@ -159,6 +161,7 @@ class HuggingFaceEngine(Engine):
             raise ModelLoadError(f"could not load model from {path!r}: {type(exc).__name__}: {exc}") from exc
         # Qwen2-VL and kin compute 3-D rotary positions for images (`get_rope_index`).
         self._mrope = self._accepts_images and any(callable(getattr(m, "get_rope_index", None)) for m in model.modules())
+        use_gqa_attention(model)  # no KV cache copies per step on CPU (engines/attention.py)
         model = self._load_adapters(model)
         self._model = model.to(device).eval()
         try:

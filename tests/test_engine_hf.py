@@ -279,3 +279,37 @@ def test_admission_window_is_bounded_by_the_timeout(hf_engine, renderer):
     first = requests[0]
     assert 0.35 <= first.scheduled_time - first.arrival_time < 0.8
     assert first.scheduled_time < requests[-1].arrival_time
+
+
+def test_gqa_attention_matches_transformers_sdpa(hf_engine, renderer):
+    """engines/attention.py gives the logits of transformers' own sdpa attention on a left-padded
+    batch (prefill, then one decode step on the KV cache), without copying KV heads."""
+    import torch
+
+    from engines.attention import ATTN_IMPLEMENTATION
+
+    model = hf_engine._model
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped-query attention
+    short, long = renderer.render_chat(QUESTION), renderer.render_chat([{"role": "user", "content": "Name three "
+                                                                          "rivers of Europe and their countries."}])
+    width = max(len(short), len(long))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in (short, long)])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in (short, long)])
+
+    def logits(implementation):
+        model.set_attn_implementation(implementation)
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                        use_cache=True)
+            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            step = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=step_mask,
+                         position_ids=mask.sum(-1, keepdim=True), past_key_values=out.past_key_values)
+        return out.logits[mask.bool()], step.logits
+
+    try:
+        ours, theirs = logits(ATTN_IMPLEMENTATION), logits("sdpa")
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
