@@ -18,6 +18,7 @@ import time
 
 from bench.loadgen import run_level
 from bench.metrics import Chunk, RequestRecord
+from bench.servers import wait_for_quiet_cpu
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -52,6 +53,8 @@ async def run(args: argparse.Namespace) -> None:
 
     warm = RequestRecord(start=time.perf_counter())
     await generate(warm, 0, 16)
+    waited = await asyncio.to_thread(wait_for_quiet_cpu)
+    print(f"inprocess: machine quiet after {waited:.0f} s", file=sys.stderr, flush=True)
     levels = []
     for concurrency in args.levels:
         num = max(args.min_requests, args.requests_per_stream * concurrency)

@@ -138,3 +138,20 @@ def kill_by_marker(marker: str) -> list[int]:
             except ProcessLookupError:
                 pass
     return killed
+
+
+def wait_for_quiet_cpu(max_busy_percent: float = 25.0, max_wait_s: float = 60.0) -> float:
+    """Block until the machine's CPU use over one second is at most `max_busy_percent` (all cores
+    together), or `max_wait_s` passed; returns the seconds waited.
+
+    A server that answers its first request is not done starting: Ray's dashboard, metrics agent
+    and controller keep the cores busy for tens of seconds (lmserve's 1-stream level measured right
+    after startup got 14.6 tok/s against the in-process engine's 26.5). Every target waits here
+    after its warm-up request, so each is measured on a machine at rest.
+    """
+    import psutil
+
+    start = time.monotonic()
+    while time.monotonic() - start < max_wait_s and psutil.cpu_percent(interval=1.0) > max_busy_percent:
+        pass
+    return time.monotonic() - start

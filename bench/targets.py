@@ -29,7 +29,7 @@ from typing import Callable
 from bench import venvs
 from bench.loadgen import http_level
 from bench.metrics import LevelResult, RequestRecord, count_tokens, summarize
-from bench.servers import ServerProcess, StartError
+from bench.servers import ServerProcess, StartError, wait_for_quiet_cpu
 from engines.server_process import free_port
 
 MODEL_ID = "smollm2"
@@ -198,6 +198,8 @@ def run_server_target(name: str, s: Settings) -> TargetResult:
                                     spec.ignore_eos, timeout)
 
         asyncio.run(level(1, 1, min(120, s.left())))  # warm-up, not counted
+        waited = wait_for_quiet_cpu(max_wait_s=min(60.0, max(0.0, s.left() - 10)))
+        print(f"bench: {name}: machine quiet after {waited:.0f} s", file=sys.stderr, flush=True)
         for concurrency in s.levels:
             if s.left() < 10:
                 result.reason = f"run deadline reached before level {concurrency}"
