@@ -97,6 +97,7 @@ class GrowingLayer(DynamicLayer):
 
     Shapes: keys and values (batch, kv_heads, seq_len, head_dim); buffers (batch, kv_heads,
     seq_len + free, head_dim).
+    Memory: at most `headroom` positions per row and layer beyond what the rows hold.
     """
 
     def __init__(self, layer: DynamicLayer, headroom: int = 64):
@@ -150,11 +151,11 @@ class ContinuousBatcher:
     Admission window: requests that a burst of clients sends at once reach the replica spread
     over 8-25 ms (measured at 16 streams: HTTP, the ingress, then the replica, one request after
     another). Admitted as they come, the first one's prefill would start alone and the rest would
-    wait for all of it before their own (+150-230 ms TTFT p50 at 16 streams on 2 CPU cores). So an empty
-    batch holds its first request while others keep arriving, as Ray Serve's `@serve.batch`
-    waits up to `batch_wait_timeout_s` to fill a batch, but it stops waiting as soon as
-    arrivals pause for `batch_wait_gap_s`: a lone request loses only that gap. A running batch
-    admits at once (its decode steps go on meanwhile, so new requests join at the next step).
+    wait for all of it before their own (+150-230 ms TTFT p50 at 16 streams on 2 CPU cores). So
+    an empty batch holds its first request while others keep arriving, as Ray Serve's
+    `@serve.batch` waits up to `batch_wait_timeout_s` to fill a batch, but it stops waiting as
+    soon as arrivals pause for `batch_wait_gap_s`: a lone request loses only that gap. A running
+    batch admits at once (its decode steps go on meanwhile; new requests join at the next step).
     """
 
     def __init__(self, model: Any, max_num_seqs: int = 32, max_batch_tokens: int = 65536,
