@@ -41,8 +41,11 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         (output (batch, q_len, heads, head_dim), None), as `sdpa_attention_forward`.
     """
     groups = getattr(module, "num_key_value_groups", 1)
+    # Left to transformers: other devices, plain multi-head attention, position biases, paged
+    # caches, and a causal prefill over a longer key (its static-cache case).
     if (query.device.type != "cpu" or groups <= 1 or kwargs.get("position_bias") is not None
-            or kwargs.get("cache") is not None or kwargs.get("output_attentions")):
+            or kwargs.get("cache") is not None or kwargs.get("output_attentions")
+            or (attention_mask is None and query.shape[2] > 1 and key.shape[2] != query.shape[2])):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
