@@ -142,10 +142,10 @@ class HuggingFaceEngine(Engine):
 
     def _load(self) -> None:
         import torch
-
-        from engines.attention import use_gqa_attention
         from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                                   GenerationConfig)
+
+        from engines.attention import use_gqa_attention
 
         path = str(self.model_path)
         device = "cuda" if torch.cuda.is_available() else "cpu"
