@@ -140,8 +140,9 @@ class EngineConfig(BaseModel):
         50, ge=0, description="When the batch is empty, the longest a first request waits for others to join "
         "its prefill (ms); 0 admits at once.")
     hf_batch_wait_gap_ms: float = Field(
-        5, ge=0, description="The wait ends sooner once no request has arrived for this long (ms): a lone "
-        "request loses only this.")
+        5, ge=0, description="The wait ends sooner once no request has arrived for this long (ms). The window is "
+        "armed only while requests come in bursts (another within the timeout of one that found the replica "
+        "idle) and disarmed after 3 lone ones, so lone requests do not wait.")
 
     # --- images (LLaMA-Factory ProcessorArguments), vision-language models only ---
     image_max_pixels: int = Field(768 * 768, gt=0, description="Larger images are scaled down to this many "

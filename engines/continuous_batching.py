@@ -156,7 +156,17 @@ class ContinuousBatcher:
     `@serve.batch` waits up to `batch_wait_timeout_s` to fill a batch, but it stops waiting as
     soon as arrivals pause for `batch_wait_gap_s`: a lone request loses only that gap. A running
     batch admits at once (its decode steps go on meanwhile; new requests join at the next step).
+
+    The window is adaptive, so that a lone request does not pay even the gap: it is armed only
+    while the traffic shows bursts. A request that reaches an idle engine (nothing running or
+    waiting) starts an "idle start"; if another request arrives within `batch_wait_timeout_s`
+    of it, that start had company and the window is armed; after `lone_starts_to_disarm` idle
+    starts in a row without company it is disarmed again. It starts disarmed: the first burst
+    after an idle spell of lone requests is admitted as it comes (the first request's prefill
+    runs alone, as without a window), and the next ones are gathered.
     """
+
+    lone_starts_to_disarm = 3
 
     def __init__(self, model: Any, max_num_seqs: int = 32, max_batch_tokens: int = 65536,
                  use_kv_cache: bool = True, batch_wait_timeout_s: float = 0.0, batch_wait_gap_s: float = 0.0):
@@ -176,6 +186,11 @@ class ContinuousBatcher:
         self._next_tokens: torch.Tensor | None = None  # (rows,) last sampled token per row
         self._wake = threading.Condition()
         self._stopped = False
+        # Adaptive admission window (class docstring); guarded by `_wake`.
+        self.window_armed = False
+        self._idle_start: float | None = None  # arrival time of the last request to reach an idle engine
+        self._idle_start_had_company = False
+        self._lone_idle_starts = 0
         self._thread = threading.Thread(target=self._run, name="hf-continuous-batching", daemon=True)
         self.steps = 0
 
@@ -198,10 +213,25 @@ class ContinuousBatcher:
         return self._thread.is_alive() and not self._stopped
 
     def submit(self, request: BatchRequest) -> None:
-        request.arrival_time = time.monotonic()
+        request.arrival_time = now = time.monotonic()
         with self._wake:
+            if (self._idle_start is not None and not self._idle_start_had_company
+                    and now - self._idle_start <= self.batch_wait_timeout_s):
+                self._idle_start_had_company, self._lone_idle_starts = True, 0
+                self.window_armed = True
+            if not self._waiting and all(r.done for r in self._rows):
+                self._note_idle_start(now)
             self._waiting.append(request)
             self._wake.notify_all()
+
+    def _note_idle_start(self, now: float) -> None:
+        """A request reached an idle engine: judge the previous idle start (lone or not), and
+        disarm the window after `lone_starts_to_disarm` lone ones in a row."""
+        if self._idle_start is not None and not self._idle_start_had_company:
+            self._lone_idle_starts += 1
+            if self._lone_idle_starts >= self.lone_starts_to_disarm:
+                self.window_armed = False
+        self._idle_start, self._idle_start_had_company = now, False
 
     def finish_choice(self, request: BatchRequest, index: int) -> None:
         """Stop generating choice `index` (e.g. a stop string was found in its text)."""
@@ -229,9 +259,13 @@ class ContinuousBatcher:
         torch.set_grad_enabled(False)
         while True:
             with self._wake:
+                if self._rows and all(r.done for r in self._rows):
+                    # Empty the batch before waiting, so that a request arriving right after the
+                    # last one finished meets the admission window (not a half-emptied batch).
+                    self._drop_done_rows()
                 while not self._stopped and not self._waiting and not self._rows:
                     self._wake.wait()
-                if all(r.done for r in self._rows):  # the batch is empty (or only finished rows)
+                if not self._rows:
                     self._wait_for_arrivals()
                 if self._stopped:
                     break
@@ -248,9 +282,10 @@ class ContinuousBatcher:
 
     def _wait_for_arrivals(self) -> None:
         """The admission window (see the class docstring); called with `_wake` held and the
-        batch empty. Returns when arrivals paused for `batch_wait_gap_s`, the first waiting
-        request has waited `batch_wait_timeout_s`, or the waiting requests fill `max_num_seqs`."""
-        if self.batch_wait_timeout_s <= 0 or self.batch_wait_gap_s <= 0:
+        batch empty. Returns at once while the window is disarmed, else when arrivals paused for
+        `batch_wait_gap_s`, the first waiting request has waited `batch_wait_timeout_s`, or the
+        waiting requests fill `max_num_seqs`."""
+        if self.batch_wait_timeout_s <= 0 or self.batch_wait_gap_s <= 0 or not self.window_armed:
             return
         while not self._stopped and self._waiting:
             if (sum(r.params.n for r in self._waiting) >= self.max_num_seqs

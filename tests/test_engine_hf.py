@@ -226,56 +226,99 @@ def test_lora_adapters_mix_in_one_batch(model_dir, lora_dir, renderer, hf_engine
         run(engine.shutdown())
 
 
-def _burst(model, ids, arrivals_s, timeout_s, gap_s, max_tokens=4):
-    """Submit one request per entry of `arrivals_s` (seconds after the first) to a fresh batcher
-    with the given admission window; returns the requests once all finished."""
-    import threading
-    import time
+class _Bursts:
+    """A fresh batcher with the given admission window on the real model; `send(arrivals_s)`
+    submits one request per entry (seconds after the first) and returns them once all finished."""
 
-    import torch
+    def __init__(self, model, ids, timeout_s, gap_s, max_tokens=4):
+        import threading
 
-    from engines.continuous_batching import BatchRequest, ContinuousBatcher
+        from engines.continuous_batching import ContinuousBatcher
 
-    batcher = ContinuousBatcher(model, batch_wait_timeout_s=timeout_s, batch_wait_gap_s=gap_s)
-    batcher.start()
-    finished = threading.Semaphore(0)
+        self.ids, self.max_tokens = ids, max_tokens
+        self.batcher = ContinuousBatcher(model, batch_wait_timeout_s=timeout_s, batch_wait_gap_s=gap_s)
+        self._finished = threading.Semaphore(0)
+        self._count = 0
 
-    def emit(items):
+    def __enter__(self):
+        self.batcher.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.batcher.stop()
+
+    def _emit(self, items):
         if isinstance(items, BaseException) or any(finish for _, _, finish, _, _ in items):
-            finished.release()
+            self._finished.release()
 
-    requests = [BatchRequest(f"w{k}", ids, SamplingParams(temperature=0, ignore_eos=True), max_tokens, set(),
-                             torch.Generator(), emit) for k in range(len(arrivals_s))]
-    try:
+    def send(self, arrivals_s):
+        import time
+
+        import torch
+
+        from engines.continuous_batching import BatchRequest
+
+        requests = []
+        for _ in arrivals_s:
+            self._count += 1
+            requests.append(BatchRequest(f"w{self._count}", self.ids, SamplingParams(temperature=0, ignore_eos=True),
+                                         self.max_tokens, set(), torch.Generator(), self._emit))
         start = time.monotonic()
         for request, at in zip(requests, arrivals_s):
             time.sleep(max(0.0, start + at - time.monotonic()))
-            batcher.submit(request)
+            self.batcher.submit(request)
         for _ in requests:
-            assert finished.acquire(timeout=60)
-    finally:
-        batcher.stop()
-    return requests
+            assert self._finished.acquire(timeout=60)
+        return requests
 
 
 def test_admission_window_gathers_a_spread_burst(hf_engine, renderer):
     """Requests arriving 20 ms apart at an empty batch are prefilled together, once arrivals
-    have paused for the gap (engines/continuous_batching.py, admission window)."""
-    requests = _burst(hf_engine._model, renderer.render_chat(QUESTION), [0, 0.02, 0.04, 0.06], 5.0, 0.3)
+    have paused for the gap, after a first burst has armed the window
+    (engines/continuous_batching.py, admission window)."""
+    with _Bursts(hf_engine._model, renderer.render_chat(QUESTION), 5.0, 0.3) as bursts:
+        first = bursts.send([0, 0.02, 0.04, 0.06])
+        assert first[0].scheduled_time < first[1].scheduled_time  # disarmed: the first starts alone
+        assert bursts.batcher.window_armed
+        requests = bursts.send([0, 0.02, 0.04, 0.06])
     assert len({r.scheduled_time for r in requests}) == 1
     waited = requests[0].scheduled_time - requests[-1].arrival_time
     assert 0.3 <= waited < 2.5
 
 
+def test_admission_window_disarms_for_lone_requests(hf_engine, renderer):
+    """After `lone_starts_to_disarm` requests that each reached an idle engine alone, a lone
+    request no longer waits for the gap."""
+    import time
+
+    with _Bursts(hf_engine._model, renderer.render_chat(QUESTION), 0.5, 0.3) as bursts:
+        bursts.send([0, 0.02])
+        assert bursts.batcher.window_armed
+        held = bursts.send([0])[0]
+        assert held.scheduled_time - held.arrival_time >= 0.3  # armed: a lone request pays the gap
+        for _ in range(bursts.batcher.lone_starts_to_disarm):
+            time.sleep(0.6)  # longer than the timeout: the next request is not company
+            bursts.send([0])
+        assert not bursts.batcher.window_armed
+        time.sleep(0.6)
+        lone = bursts.send([0])[0]
+    assert lone.scheduled_time - lone.arrival_time < 0.2
+
+
 def test_admission_window_off_admits_at_once(hf_engine, renderer):
-    """Without a window the first request starts alone and the later ones join afterwards."""
-    requests = _burst(hf_engine._model, renderer.render_chat(QUESTION), [0, 0.02, 0.04], 0.0, 0.0)
+    """Without a window the first request starts alone and the later ones join afterwards, also
+    after a burst."""
+    with _Bursts(hf_engine._model, renderer.render_chat(QUESTION), 0.0, 0.0) as bursts:
+        bursts.send([0, 0.02, 0.04])
+        requests = bursts.send([0, 0.02, 0.04])
     assert requests[0].scheduled_time < requests[1].scheduled_time
 
 
 def test_admission_window_is_bounded_by_the_timeout(hf_engine, renderer):
     """Arrivals that never pause for the gap hold the first request no longer than the timeout."""
-    requests = _burst(hf_engine._model, renderer.render_chat(QUESTION), [0.1 * k for k in range(10)], 0.35, 0.3)
+    with _Bursts(hf_engine._model, renderer.render_chat(QUESTION), 0.35, 0.3) as bursts:
+        bursts.send([0, 0.02])
+        requests = bursts.send([0.1 * k for k in range(10)])
     first = requests[0]
     assert 0.35 <= first.scheduled_time - first.arrival_time < 0.8
     assert first.scheduled_time < requests[-1].arrival_time
