@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ray.serve.exceptions import BackPressureError
 
+from deployments import constants
 from deployments.errors import (
     APIError,
     AuthenticationError,
@@ -258,6 +259,8 @@ class OpenAIIngress:
         kwargs = body.chat_template_kwargs or {}
         parts = image_parts(messages)
         if not parts:
+            if not tools and _text_chars(messages) <= constants.INLINE_RENDER_MAX_CHARS:
+                return entry.renderer.render_chat(messages, tools=tools, **kwargs), None
             ids = await asyncio.to_thread(entry.renderer.render_chat, messages, tools=tools, **kwargs)
             return ids, None
         if not entry.renderer.accepts_images:
@@ -423,7 +426,10 @@ class OpenAIIngress:
                 raise BadRequestError("batched prompts (a list of several prompts) are not supported; "
                                       "send one request per prompt", param="prompt")
             prompt = prompt[0]
-        prompt_ids = await asyncio.to_thread(entry.renderer.render_completion, prompt)
+        if len(prompt) <= constants.INLINE_RENDER_MAX_CHARS:  # characters, or token ids
+            prompt_ids = entry.renderer.render_completion(prompt)
+        else:
+            prompt_ids = await asyncio.to_thread(entry.renderer.render_completion, prompt)
         request_id = self._request_id(request, "cmpl")
         if self.settings.log_prompts:
             logger.info("%s prompt=%r", request_id, prompt)
@@ -591,6 +597,18 @@ def _usage_info(usage: Usage | None) -> UsageInfo:
         return UsageInfo()
     return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                      total_tokens=usage.total_tokens)
+
+
+def _text_chars(messages: list[dict]) -> int:
+    """Characters of text in chat messages (string contents and text parts)."""
+    size = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return size
 
 
 def _sse(payload: dict) -> str:

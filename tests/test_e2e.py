@@ -189,3 +189,17 @@ def test_completion_logprobs(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == resp.choices[0].text
     assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+@pytest.mark.parametrize("words", [6, 820])
+def test_prompt_tokens_are_the_chat_template_s(client, renderer, words):
+    """The ingress renders a short prompt in its event loop and a long one (over
+    deployments.constants.INLINE_RENDER_MAX_CHARS, 8192 characters) in a worker thread; both give
+    the chat template's token ids, for chat and for completions."""
+    text = " ".join(["lighthouse"] * words)  # one token per word
+    assert (len(text) > 8192) == (words > 100)
+    messages = [{"role": "user", "content": text}]
+    resp = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=1, temperature=0)
+    assert resp.usage.prompt_tokens == len(renderer.render_chat(messages))
+    resp = client.completions.create(model="smollm2", prompt=text, max_tokens=1, temperature=0)
+    assert resp.usage.prompt_tokens == len(renderer.render_completion(text))

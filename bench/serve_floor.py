@@ -1,0 +1,136 @@
+"""Ray Serve's own cost for one streamed request, on lmserve's topology: `python -m bench.serve_floor`.
+
+Issue 7 asks for at most 5 ms of time to first token (TTFT) added by serving at one stream. This
+probe measures what the serving framework alone costs on this machine, so lmserve's overhead
+(`python -m bench.overhead`) can be split into the framework's part and lmserve's own.
+
+It starts a private Ray cluster in the mode `lmserve serve` uses (deployments.constants.
+RAY_HIGH_THROUGHPUT_ENV: HAProxy -> the ingress replica's own HTTP server -> gRPC -> a second
+replica) and deploys two small deployments in lmserve's layout:
+
+- `FloorIngress`: a FastAPI app with POST /v1/chat/completions that parses the JSON body, calls
+  the model deployment's streaming `generate` through a `DeploymentHandle` and answers
+  Server-Sent Events in OpenAI's chunk shape (a role chunk, one content chunk, `[DONE]`);
+- `FloorModel`: `generate` yields one list of one token at once (no model, no tokenizer).
+
+The same load generator as `python -m bench` (bench.loadgen) sends `--rounds` requests one at a
+time and prints the TTFT p50/p95 and the end-to-end latency: everything in it is framework and
+HTTP, since the "model" answers in microseconds.
+"""
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+
+import httpx
+
+from bench.loadgen import chat_payload, run_level, stream_chat
+from bench.metrics import percentile
+
+MODEL_ID = "floor"
+
+
+def build_floor_app():
+    """The two-deployment app (ingress -> model replica) described in the module docstring."""
+    import json
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class FloorModel:
+        async def generate(self, prompt: list[int]):
+            yield [{"index": 0, "text": "x", "token_ids": [prompt[0] if prompt else 0]}]
+
+    api = FastAPI()
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    @serve.ingress(api)
+    class FloorIngress:
+        def __init__(self, model):
+            self.model = model.options(stream=True)
+
+        @api.post("/v1/chat/completions")
+        async def chat(self, request: Request):
+            body = await request.json()
+            stream = self.model.generate.remote([len(body["messages"][0]["content"])])
+            first = await stream.__anext__()
+
+            async def chunks():
+                head = {"id": "floor", "object": "chat.completion.chunk", "created": int(time.time()),
+                        "model": MODEL_ID}
+                yield "data: " + json.dumps({**head, "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
+                for item in first:
+                    yield "data: " + json.dumps({**head, "choices": [
+                        {"index": 0, "delta": {"content": item["text"]}, "finish_reason": "length"}]}) + "\n\n"
+                async for _ in stream:
+                    pass
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return FloorIngress.bind(FloorModel.bind())
+
+
+async def _measure(url: str, rounds: int, warmup: int) -> list:
+    limits = httpx.Limits(max_connections=4, max_keepalive_connections=4)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        async def send(record, index):
+            await stream_chat(client, url + "/v1/chat/completions", chat_payload(MODEL_ID, "Hello there.", 1, False),
+                              record)
+
+        await run_level(send, 1, warmup, 120)
+        records, _ = await run_level(send, 1, rounds, 600)
+    return records
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    opts = parser.parse_args()
+
+    from deployments.constants import apply_ray_high_throughput_env, second_cluster_ports_env
+    from engines.server_process import free_port
+
+    apply_ray_high_throughput_env()
+    for name, value in second_cluster_ports_env().items():
+        os.environ.setdefault(name, value)
+    import ray
+    from ray import serve
+
+    port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             _temp_dir=tempfile.mkdtemp(prefix="lmfloor-"))
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_floor_app(), name="floor", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        records = asyncio.run(_measure(url, opts.rounds, opts.warmup))
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    ttfts = [r.ttft for r in records if r.ttft is not None]
+    ends = [r.end - r.start for r in records if r.end is not None]
+    failed = sum(1 for r in records if r.error)
+    if not ttfts:
+        print(f"no request succeeded ({failed} failed): {records[0].error if records else ''}")
+        return 1
+    print(f"\nRay Serve floor, lmserve's topology (HAProxy -> ingress replica -> gRPC -> model replica), "
+          f"{len(ttfts)} requests one at a time{f', {failed} failed' if failed else ''}\n")
+    print("| TTFT p50 ms | TTFT p95 ms | end-to-end p50 ms |")
+    print("|--:|--:|--:|")
+    print(f"| {percentile(ttfts, 50) * 1e3:.2f} | {percentile(ttfts, 95) * 1e3:.2f} | "
+          f"{percentile(ends, 50) * 1e3:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
