@@ -166,3 +166,27 @@ applications:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_second_cluster_ports_avoid_a_port_held_with_so_reuseport(monkeypatch):
+    """A port another cluster's HAProxy holds (SO_REUSEPORT, all interfaces) never falls in the
+    second cluster's direct-ingress ranges: a replica binding it would share its requests."""
+    import socket
+
+    import engines.server_process
+    from deployments.constants import second_cluster_ports_env
+
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        bases = iter([port - 5, port + 1, port + 100])  # the first range would cover `port`
+        real = engines.server_process.free_port
+        monkeypatch.setattr(engines.server_process, "free_port",
+                            lambda host="127.0.0.1": next(bases, None) or real(host))
+        env = second_cluster_ports_env()
+    first = int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
+    last = int(env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"])
+    assert not first <= port <= last
+    assert first != port - 5 and last == first + 39
