@@ -13,7 +13,8 @@ replica) and deploys two small deployments in lmserve's layout:
   Server-Sent Events in OpenAI's chunk shape (a role chunk, one content chunk, `[DONE]`);
 - `FloorModel`: `generate` yields one list of one token at once (no model, no tokenizer).
 
-The same load generator as `python -m bench` (bench.loadgen) sends `--rounds` requests one at a
+`--one-hop` deploys a single deployment that answers HTTP and "generates" itself, for what
+the ingress -> model hop costs. The same load generator as `python -m bench` (bench.loadgen) sends `--rounds` requests one at a
 time and prints the TTFT p50/p95 and the end-to-end latency: everything in it is framework and
 HTTP, since the "model" answers in microseconds.
 """
@@ -77,6 +78,39 @@ def build_floor_app():
     return FloorIngress.bind(FloorModel.bind())
 
 
+def build_one_hop_app():
+    """One deployment that both answers HTTP and "generates" (no handle call, no second
+    replica): what serving costs without lmserve's ingress -> model hop."""
+    import json
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+    from ray import serve
+
+    api = FastAPI()
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    @serve.ingress(api)
+    class FloorOneHop:
+        @api.post("/v1/chat/completions")
+        async def chat(self, request: Request):
+            body = await request.json()
+            text = "x" * min(1, len(body["messages"][0]["content"]))
+
+            async def chunks():
+                head = {"id": "floor", "object": "chat.completion.chunk", "created": int(time.time()),
+                        "model": MODEL_ID}
+                yield "data: " + json.dumps({**head, "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
+                yield "data: " + json.dumps({**head, "choices": [
+                    {"index": 0, "delta": {"content": text}, "finish_reason": "length"}]}) + "\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return FloorOneHop.bind()
+
+
 async def _measure(url: str, rounds: int, warmup: int) -> list:
     limits = httpx.Limits(max_connections=4, max_keepalive_connections=4)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
@@ -93,6 +127,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--one-hop", action="store_true",
+                        help="one deployment answers HTTP and generates (no ingress -> model call)")
     opts = parser.parse_args()
 
     from deployments.constants import apply_ray_high_throughput_env, second_cluster_ports_env
@@ -109,7 +145,7 @@ def main() -> int:
              _temp_dir=tempfile.mkdtemp(prefix="lmfloor-"))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_floor_app(), name="floor", route_prefix="/")
+        serve.run(build_one_hop_app() if opts.one_hop else build_floor_app(), name="floor", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         records = asyncio.run(_measure(url, opts.rounds, opts.warmup))
     finally:
@@ -123,7 +159,9 @@ def main() -> int:
     if not ttfts:
         print(f"no request succeeded ({failed} failed): {records[0].error if records else ''}")
         return 1
-    print(f"\nRay Serve floor, lmserve's topology (HAProxy -> ingress replica -> gRPC -> model replica), "
+    topology = ("one deployment (HAProxy -> replica)" if opts.one_hop
+                else "lmserve's topology (HAProxy -> ingress replica -> gRPC -> model replica)")
+    print(f"\nRay Serve floor, {topology}, "
           f"{len(ttfts)} requests one at a time{f', {failed} failed' if failed else ''}\n")
     print("| TTFT p50 ms | TTFT p95 ms | end-to-end p50 ms |")
     print("|--:|--:|--:|")
