@@ -186,11 +186,11 @@ class ContinuousBatcher:
         self._next_tokens: torch.Tensor | None = None  # (rows,) last sampled token per row
         self._wake = threading.Condition()
         self._stopped = False
-        # Adaptive admission window (class docstring); guarded by `_wake`.
-        self.window_armed = False
+        # Adaptive admission window (class docstring); guarded by `_wake`. Lone idle starts in a
+        # row since the last one with company; it starts disarmed.
+        self._lone_idle_starts = self.lone_starts_to_disarm
         self._idle_start: float | None = None  # arrival time of the last request to reach an idle engine
         self._idle_start_had_company = False
-        self._lone_idle_starts = 0
         self._thread = threading.Thread(target=self._run, name="hf-continuous-batching", daemon=True)
         self.steps = 0
 
@@ -218,20 +218,22 @@ class ContinuousBatcher:
             if (self._idle_start is not None and not self._idle_start_had_company
                     and now - self._idle_start <= self.batch_wait_timeout_s):
                 self._idle_start_had_company, self._lone_idle_starts = True, 0
-                self.window_armed = True
             if not self._waiting and all(r.done for r in self._rows):
                 self._note_idle_start(now)
             self._waiting.append(request)
             self._wake.notify_all()
 
     def _note_idle_start(self, now: float) -> None:
-        """A request reached an idle engine: judge the previous idle start (lone or not), and
-        disarm the window after `lone_starts_to_disarm` lone ones in a row."""
+        """A request reached an idle engine: count the previous idle start if it was lone."""
         if self._idle_start is not None and not self._idle_start_had_company:
             self._lone_idle_starts += 1
-            if self._lone_idle_starts >= self.lone_starts_to_disarm:
-                self.window_armed = False
         self._idle_start, self._idle_start_had_company = now, False
+
+    @property
+    def window_armed(self) -> bool:
+        """Whether an empty batch holds its first request (fewer than `lone_starts_to_disarm`
+        lone idle starts since the last burst)."""
+        return self._lone_idle_starts < self.lone_starts_to_disarm
 
     def finish_choice(self, request: BatchRequest, index: int) -> None:
         """Stop generating choice `index` (e.g. a stop string was found in its text)."""
