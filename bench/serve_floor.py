@@ -21,6 +21,7 @@ HTTP, since the "model" answers in microseconds.
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -34,10 +35,15 @@ from bench.metrics import percentile
 MODEL_ID = "floor"
 
 
+def _chunk(delta: dict, finish_reason=None) -> str:
+    """One Server-Sent Event in OpenAI's chat-completion-chunk shape."""
+    return "data: " + json.dumps({"id": "floor", "object": "chat.completion.chunk", "created": int(time.time()),
+                                  "model": MODEL_ID, "choices": [
+                                      {"index": 0, "delta": delta, "finish_reason": finish_reason}]}) + "\n\n"
+
+
 def build_floor_app():
     """The two-deployment app (ingress -> model replica) described in the module docstring."""
-    import json
-
     from fastapi import FastAPI, Request
     from fastapi.responses import StreamingResponse
     from ray import serve
@@ -62,13 +68,9 @@ def build_floor_app():
             first = await stream.__anext__()
 
             async def chunks():
-                head = {"id": "floor", "object": "chat.completion.chunk", "created": int(time.time()),
-                        "model": MODEL_ID}
-                yield "data: " + json.dumps({**head, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
+                yield _chunk({"role": "assistant", "content": ""})
                 for item in first:
-                    yield "data: " + json.dumps({**head, "choices": [
-                        {"index": 0, "delta": {"content": item["text"]}, "finish_reason": "length"}]}) + "\n\n"
+                    yield _chunk({"content": item["text"]}, "length")
                 async for _ in stream:
                     pass
                 yield "data: [DONE]\n\n"
@@ -81,8 +83,6 @@ def build_floor_app():
 def build_one_hop_app():
     """One deployment that both answers HTTP and "generates" (no handle call, no second
     replica): what serving costs without lmserve's ingress -> model hop."""
-    import json
-
     from fastapi import FastAPI, Request
     from fastapi.responses import StreamingResponse
     from ray import serve
@@ -98,12 +98,8 @@ def build_one_hop_app():
             text = "x" * min(1, len(body["messages"][0]["content"]))
 
             async def chunks():
-                head = {"id": "floor", "object": "chat.completion.chunk", "created": int(time.time()),
-                        "model": MODEL_ID}
-                yield "data: " + json.dumps({**head, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
-                yield "data: " + json.dumps({**head, "choices": [
-                    {"index": 0, "delta": {"content": text}, "finish_reason": "length"}]}) + "\n\n"
+                yield _chunk({"role": "assistant", "content": ""})
+                yield _chunk({"content": text}, "length")
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(chunks(), media_type="text/event-stream")
