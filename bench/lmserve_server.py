@@ -34,7 +34,7 @@ def main() -> int:
     from deployments.constants import apply_ray_high_throughput_env, second_cluster_ports_env
 
     apply_ray_high_throughput_env()  # as `lmserve serve` (`RAY_SERVE_ENABLE_HA_PROXY=0` etc. turn it off)
-    for name, value in second_cluster_ports_env().items():  # other clusters may run on this machine
+    for name, value in second_cluster_ports_env(avoid=[opts.port]).items():  # other clusters may run on this machine
         os.environ.setdefault(name, value)
     import ray
     from ray import serve

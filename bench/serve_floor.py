@@ -130,13 +130,13 @@ def main() -> int:
     from deployments.constants import apply_ray_high_throughput_env, second_cluster_ports_env
     from engines.server_process import free_port
 
+    port = free_port()
     apply_ray_high_throughput_env()
-    for name, value in second_cluster_ports_env().items():
+    for name, value in second_cluster_ports_env(avoid=[port]).items():
         os.environ.setdefault(name, value)
     import ray
     from ray import serve
 
-    port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False,
              _temp_dir=tempfile.mkdtemp(prefix="lmfloor-"))
     try:

@@ -22,8 +22,27 @@ from pathlib import Path
 
 import yaml
 
-from deployments.constants import apply_ray_high_throughput_env
+from deployments.constants import PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env
 from engines.config import ConfigError, load_config_file
+
+
+def _isolate_a_new_local_cluster(http_port: int) -> None:
+    """When `ray.init()` is about to start a local cluster (no `RAY_ADDRESS`, no `ray start`
+    cluster) beside another Serve cluster on this machine, give it Serve ports of its own
+    (`apply_own_serve_ports_if_taken`), so two `lmserve api` on one machine never answer each
+    other's requests. A cluster that is joined keeps the ports it was started with.
+
+    Raises:
+        PortsInUseError: `http_port` is in use, or no free ports were found.
+    """
+    from ray._private.services import canonicalize_bootstrap_address  # what ray.init() asks
+
+    if canonicalize_bootstrap_address(None) is not None:
+        return
+    added = apply_own_serve_ports_if_taken(http_port)
+    if added:
+        print(f"lmserve: another Ray Serve cluster runs on this machine; this one uses ports "
+              f"{min(map(int, added.values()))}-{max(map(int, added.values()))}", file=sys.stderr)
 
 
 def _api(args: argparse.Namespace) -> int:
@@ -41,6 +60,7 @@ def _api(args: argparse.Namespace) -> int:
     host, port = os.environ.get("API_HOST", "0.0.0.0"), int(os.environ.get("API_PORT", "8000"))
     entry = {"model_id": model_id, **config.model_dump(exclude={"extra_inert"}, exclude_unset=True)}
     app = build_app({"models": [entry]})
+    _isolate_a_new_local_cluster(port)
     ray.init()
     serve.start(http_options={"host": host, "port": port})
     print(f"lmserve: serving {config.model_name_or_path!r} as model {model_id!r} "
@@ -128,6 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ray.serve.schema import ServeDeploySchema
 
     config = ServeDeploySchema.model_validate(yaml.safe_load(Path(args.config).read_text()))
+    _isolate_a_new_local_cluster(config.http_options.port)
     ray.init(namespace="serve")
     client = serve_private_api.serve_start(
         http_options=config.http_options.model_dump(),
@@ -246,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, PortsInUseError) as exc:
         print(f"lmserve: {exc}", file=sys.stderr)
         return 2
 

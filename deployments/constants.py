@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import MutableMapping
+from typing import Collection, MutableMapping
 
 
 def _env_float(name: str, default: float) -> float:
@@ -174,35 +174,86 @@ def apply_ray_high_throughput_env(environ: MutableMapping[str, str] = os.environ
     return added
 
 
-def second_cluster_ports_env() -> dict[str, str]:
-    """Environment for a second Ray cluster in high-throughput mode on a machine that runs one
-    already (tests, benchmarks). Each cluster's controller hands out direct-ingress ports from a
-    fixed range (HTTP 30000-31000, gRPC 40000-41000) without seeing the other cluster, and the
-    replicas bind them with SO_REUSEPORT: two clusters would share port 30000 and the kernel would
-    send each connection to either one. HAProxy's stats (8404) and metrics (9101) ports are fixed
-    too. This gives the second cluster free ports and its own ranges (20 ports each) next to a
-    free port. Every port of the two ranges is checked to be free on all interfaces: a replica
-    binds its port with SO_REUSEPORT, so a range over a port another cluster's HAProxy listens on
-    would share that port with it, and the kernel would hand it the other cluster's requests
-    (the likely cause of a 401 from the other cluster's API key, seen once in the tests).
+# The ports Ray Serve binds (with SO_REUSEPORT) besides the HTTP port, at their defaults in Ray
+# 2.60 (`ray.serve._private.constants`; a test keeps them in step): a cluster holding the first
+# of them tells that another Serve cluster runs on this machine.
+RAY_SERVE_DEFAULT_PORTS: dict[str, int] = {
+    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 30000,
+    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": 31000,
+    "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 40000,
+    "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": 41000,
+    "RAY_SERVE_HAPROXY_STATS_PORT": 8404,
+    "RAY_SERVE_HAPROXY_METRICS_PORT": 9101,
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500,
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 9500,
+}
+
+
+class PortsInUseError(RuntimeError):
+    """A port a new Ray Serve cluster needs is held by another process."""
+
+
+def apply_own_serve_ports_if_taken(http_port: int,
+                                   environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Before this process starts a local Ray cluster: if another Serve cluster on this machine
+    holds Ray Serve's default ports (see `second_cluster_ports_env` for why two clusters would
+    silently answer each other's requests), put a block of free ones into `environ`; return
+    what it set. Nothing is set when the ports are free or `environ` sets any of them already
+    (the operator's choice).
 
     Raises:
-        RuntimeError: no free range of 40 ports found in 100 tries.
+        PortsInUseError: `http_port` is held by another process (with SO_REUSEPORT, two
+            HAProxies would share it), or no free block was found.
+    """
+    if any(name in environ for name in RAY_SERVE_DEFAULT_PORTS):
+        return {}
+    if not _port_is_free(http_port):
+        raise PortsInUseError(f"port {http_port} is in use by another process")
+    first_ports = [port for name, port in RAY_SERVE_DEFAULT_PORTS.items() if "_MAX_" not in name]
+    if all(_port_is_free(port) for port in first_ports):
+        return {}
+    added = second_cluster_ports_env(avoid=[http_port])
+    environ.update(added)
+    return added
+
+
+def second_cluster_ports_env(avoid: Collection[int] = ()) -> dict[str, str]:
+    """Environment for a second Ray cluster in high-throughput mode on a machine that runs one
+    already (tests, benchmarks). Every port a Serve cluster binds besides its HTTP port is fixed
+    or drawn from a fixed range, and Serve binds them with SO_REUSEPORT, so two clusters would
+    share them and the kernel would hand each connection to either cluster (a request to one
+    cluster's HAProxy answered with the other's 401):
+    - the direct-ingress ranges each controller hands out (HTTP 30000-31000, gRPC 40000-41000);
+    - the fallback proxy that HAProxy forwards to while no ingress replica is ready
+      (HTTP 8500, gRPC 9500; `RAY_SERVE_FALLBACK_PROXY_*_PORT`);
+    - HAProxy's stats (8404) and metrics (9101) ports.
+    This gives the second cluster one block of 44 consecutive ports: 20 direct-ingress HTTP, 20
+    gRPC, then stats, metrics, fallback HTTP and fallback gRPC. Every port of the block is
+    checked to be free on all interfaces (a port another cluster holds with SO_REUSEPORT counts
+    as taken) and to be none of `avoid` (ports the caller has picked but not bound yet, such as
+    the cluster's HTTP port).
+
+    Raises:
+        PortsInUseError: no such block found in 100 tries.
     """
     from engines.server_process import free_port
 
+    avoid = set(avoid)
     for _ in range(100):
         base = free_port()
-        if all(_port_is_free(port) for port in range(base, base + 40)):
+        block = range(base, base + 44)
+        if avoid.isdisjoint(block) and all(_port_is_free(port) for port in block):
             break
     else:
-        raise RuntimeError("no 40 consecutive free TCP ports found for a second Ray cluster")
-    http, grpc = (base, base + 19), (base + 20, base + 39)
-    return {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http[0]),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http[1]),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc[0]),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc[1])}
+        raise PortsInUseError("no 44 consecutive free TCP ports found for a second Ray cluster")
+    return {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(base),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(base + 19),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(base + 20),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(base + 39),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(base + 40),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(base + 41),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(base + 42),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(base + 43)}
 
 
 def _port_is_free(port: int) -> bool:

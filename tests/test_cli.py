@@ -59,13 +59,6 @@ def test_clusters_start_in_ray_serve_high_throughput_mode_unless_the_environment
     assert environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
 
 
-def _second_cluster_env(**extra: str) -> dict[str, str]:
-    """The environment of a command that starts its own Ray cluster beside the test session's."""
-    from deployments.constants import second_cluster_ports_env
-
-    return {**os.environ, **second_cluster_ports_env(), **extra}
-
-
 @pytest.mark.slow
 def test_chat_streams_keeps_history_and_clears(lf_config, model_dir):
     script = "What is the capital of France?\nWhat did I just ask you?\nclear\nexit\n"
@@ -82,7 +75,10 @@ def test_chat_streams_keeps_history_and_clears(lf_config, model_dir):
 @pytest.mark.slow
 def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
     port = free_port()
-    env = _second_cluster_env(API_PORT=str(port), API_HOST="127.0.0.1", API_KEY="cli-key", API_MODEL_NAME="my-sft")
+    # No ports set: beside the test session's cluster, `lmserve api` must pick its own Serve
+    # ports (a shared fallback proxy port once answered this request with the session's 401).
+    env = {**os.environ, "API_PORT": str(port), "API_HOST": "127.0.0.1", "API_KEY": "cli-key",
+           "API_MODEL_NAME": "my-sft"}
     proc = subprocess.Popen(LMSERVE + ["api", str(lf_config), "do_sample=false"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -128,7 +124,7 @@ applications:
         - model_id: smollm2
           deployment: {{ray_actor_options: {{num_cpus: 1}}}}
 """)
-    proc = subprocess.Popen(LMSERVE + ["serve", str(config)], env=_second_cluster_env(),
+    proc = subprocess.Popen(LMSERVE + ["serve", str(config)], env=os.environ,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -169,8 +165,9 @@ applications:
 
 
 def test_second_cluster_ports_avoid_a_port_held_with_so_reuseport(monkeypatch):
-    """A port another cluster's HAProxy holds (SO_REUSEPORT, all interfaces) never falls in the
-    second cluster's direct-ingress ranges: a replica binding it would share its requests."""
+    """A port another cluster's HAProxy holds (SO_REUSEPORT, all interfaces) and the caller's own
+    HTTP port never fall in the second cluster's block: a replica or proxy binding one would
+    share its requests."""
     import socket
 
     import engines.server_process
@@ -181,12 +178,54 @@ def test_second_cluster_ports_avoid_a_port_held_with_so_reuseport(monkeypatch):
         held.bind(("", 0))
         held.listen()
         port = held.getsockname()[1]
-        bases = iter([port - 5, port + 1, port + 100])  # the first range would cover `port`
+        http_port = port + 200
+        # the first block would cover `port`, the second `http_port`
+        bases = iter([port - 5, http_port - 43, port + 300])
         real = engines.server_process.free_port
         monkeypatch.setattr(engines.server_process, "free_port",
                             lambda host="127.0.0.1": next(bases, None) or real(host))
-        env = second_cluster_ports_env()
-    first = int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
-    last = int(env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"])
-    assert not first <= port <= last
-    assert first != port - 5 and last == first + 39
+        env = second_cluster_ports_env(avoid=[http_port])
+    ports = sorted(int(v) for v in env.values())
+    assert port not in range(ports[0], ports[-1] + 1) and http_port not in range(ports[0], ports[-1] + 1)
+    assert ports[0] not in (port - 5, http_port - 43)
+    assert int(env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"]) == ports[0] + 39
+
+
+def test_second_cluster_ports_cover_every_fixed_serve_port():
+    """Every port Ray Serve binds from a fixed default or range (its `RAY_SERVE_*_PORT` settings
+    with a default) is in `RAY_SERVE_DEFAULT_PORTS` at Ray's default, and a second cluster gets
+    a distinct value for each: the fallback proxy on 8500 shared by two clusters is how the CLI
+    test once got the test session's 401."""
+    from ray.serve._private import constants as serve_constants
+
+    from deployments.constants import RAY_SERVE_DEFAULT_PORTS, second_cluster_ports_env
+
+    ray_defaults = {name: getattr(serve_constants, name) for name in dir(serve_constants)
+                    if name.startswith("RAY_SERVE_") and name.endswith("_PORT")
+                    and isinstance(getattr(serve_constants, name), int)}
+    assert ray_defaults == RAY_SERVE_DEFAULT_PORTS
+    env = second_cluster_ports_env()
+    assert env.keys() == RAY_SERVE_DEFAULT_PORTS.keys()
+    assert len(set(env.values())) == len(env)
+
+
+def test_a_new_cluster_takes_its_own_ports_only_when_another_holds_the_defaults():
+    import socket
+
+    from deployments.constants import PortsInUseError, apply_own_serve_ports_if_taken
+
+    http_port = free_port()
+    with socket.socket() as fallback:  # what another cluster's fallback proxy holds
+        fallback.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            fallback.bind(("127.0.0.1", 8500))
+        except OSError:
+            pass  # held already (the test session's cluster): taken either way
+        environ: dict[str, str] = {}
+        added = apply_own_serve_ports_if_taken(http_port, environ)
+        assert added and environ == added and "8500" not in added.values()
+        assert apply_own_serve_ports_if_taken(http_port, environ) == {}  # set already: kept
+        with socket.socket() as http:
+            http.bind(("127.0.0.1", http_port))
+            with pytest.raises(PortsInUseError, match=str(http_port)):
+                apply_own_serve_ports_if_taken(http_port, {})
