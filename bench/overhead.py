@@ -6,13 +6,15 @@ size as the drift of a shared 2-core machine. This probe keeps every variant up 
 its requests round-robin, one at a time, so each variant sees the same machine state:
 
 - `inprocess`: the huggingface engine in this process (no Ray, no HTTP);
-- `lmserve`: `bench.lmserve_server` as `lmserve serve` runs it, in Ray Serve's high-throughput mode
-  (HAProxy on the HTTP port -> the ingress replica's own HTTP server -> gRPC -> model replica; see
-  deployments.constants.RAY_HIGH_THROUGHPUT_ENV);
-- `lmserve-ray-defaults`: the same with Ray Serve's defaults (Python HTTP proxy actor -> ingress
-  replica -> model replica over Ray actor calls, user code on its own event-loop thread);
+- `lmserve`: `bench.lmserve_server` as `lmserve serve serve_config.yaml` runs it, in Ray Serve's
+  high-throughput mode with direct streaming (HAProxy on the HTTP port -> the model replica's own
+  HTTP server, which runs the engine; see deployments.constants.RAY_HIGH_THROUGHPUT_ENV and
+  deployments/direct_streaming.py);
+- `lmserve-two-hop`: the same with an ingress deployment in front of the model's (HAProxy -> the
+  ingress replica's HTTP server -> gRPC -> model replica), as for several models;
 - or the servers given by `--variant NAME:ENV=VALUE,...` (e.g.
-  `--variant group200:LMSERVE_STREAM_BATCHING_INTERVAL_MS=200`).
+  `--variant ray-defaults:RAY_SERVE_ENABLE_HA_PROXY=0,RAY_SERVE_THROUGHPUT_OPTIMIZED=0` for Ray
+  Serve's default data path, or `--variant group200:LMSERVE_STREAM_BATCHING_INTERVAL_MS=200`).
 
 It prints TTFT and inter-token latency p50/p95 per variant, each server's TTFT p50 minus the
 in-process one, and the median of the per-round differences (same prompt, sent moments apart);
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from functools import partial
@@ -71,7 +74,9 @@ def _server(name: str, env_extra: dict[str, str], log_dir: Path) -> tuple[Server
                         "deployment": {"ray_actor_options": {"num_cpus": 2}}}]}
     cmd = [str(venvs.REPO_ROOT / ".venv/bin/python"), "-m", "bench.lmserve_server", "--port", str(port),
            "--ray-temp-dir", temp_dir, "--args", json.dumps(args)]
-    env = venvs.clean_env(**env_extra)
+    # Direct streaming, as serve_config.yaml, unless the variant (or this environment) says 0.
+    direct = {"LMSERVE_DIRECT_STREAMING": os.environ.get("LMSERVE_DIRECT_STREAMING", "1")}
+    env = venvs.clean_env(**{**direct, **env_extra})
     env.pop("API_KEY", None)
     return ServerProcess(cmd, env, venvs.REPO_ROOT, log_dir / f"{name}.log", marker=temp_dir), f"http://127.0.0.1:{port}"
 
@@ -83,14 +88,14 @@ async def main(opts: argparse.Namespace) -> None:
     from engines.model_source import ensure_embedded_model
     from engines.prompt import PromptRenderer
 
-    prompts = json.loads((venvs.BENCH_DIR / "prompts.json").read_text())["prompts"]
+    prompts = json.loads(opts.prompts.read_text())["prompts"]
     model_dir = ensure_embedded_model()
     renderer = PromptRenderer.from_pretrained(model_dir)
     prompt_ids = [renderer.render_chat([{"role": "user", "content": p}]) for p in prompts]
     log_dir = Path(tempfile.mkdtemp(prefix="lmoverhead-logs-"))
 
     variants = dict(opts.variant) if opts.variant else {
-        "lmserve": {}, "lmserve-ray-defaults": {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}}
+        "lmserve": {}, "lmserve-two-hop": {"LMSERVE_DIRECT_STREAMING": "0"}}
     servers = {name: _server(f"v{i}", env, log_dir) for i, (name, env) in enumerate(variants.items())}
     engine = create_engine(EngineConfig(model_name_or_path=str(model_dir), infer_dtype="float32"))
     try:
@@ -165,6 +170,8 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=1, help="concurrent streams per round (default 1)")
     parser.add_argument("--variant", action="append", type=_variant, metavar="NAME[:ENV=VALUE,...]",
                         help="a server variant with extra environment variables (repeatable; default: "
-                             "lmserve and lmserve-throughput-optimized)")
+                             "lmserve (direct streaming) and lmserve-two-hop)")
+    parser.add_argument("--prompts", type=Path, default=venvs.BENCH_DIR / "prompts.json",
+                        help='JSON {"prompts": [...]}; short prompts make the prefill, and its noise, small')
     parser.add_argument("--out", type=Path)
     asyncio.run(main(parser.parse_args()))

@@ -134,8 +134,12 @@ def lmserve_spec(backend: str, s: Settings, port: int) -> ServerSpec:
         entry["deployment"]["ray_actor_options"]["runtime_env"] = {
             "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(s.kvcache_gib)}}
     temp_dir = tempfile.mkdtemp(prefix="lmbench-ray-")
+    # The topology of serve_config.yaml (direct streaming for its one model), unless
+    # LMSERVE_DIRECT_STREAMING=0 asks for the ingress -> model layout.
+    from deployments.constants import direct_streaming_env
+
     cmd = [str(python), "-m", "bench.lmserve_server", "--port", str(port), "--ray-temp-dir", temp_dir,
-           "--args", json.dumps({"models": [entry]})]
+           "--args", json.dumps({"models": [entry], "direct_streaming": direct_streaming_env(True)})]
     env = venvs.clean_env(VLLM_CPU_KVCACHE_SPACE=str(s.kvcache_gib), VLLM_TARGET_DEVICE="cpu")
     env.pop("API_KEY", None)
     return ServerSpec(cmd, env, f"lmserve, infer_backend {backend}, float32, local Ray cluster (2 CPUs)",

@@ -48,6 +48,9 @@ class AppArgs(BaseModel):
     log_prompts: bool | None = None
     media: dict[str, Any] | None = Field(None, description="`MediaSettings` fields (engines/media.py)")
     ingress_deployment: dict[str, Any] = Field(default_factory=dict)
+    direct_streaming: bool = Field(
+        default_factory=lambda: constants.DIRECT_STREAMING,
+        description="One model: its deployment takes the HTTP requests itself (deployments/direct_streaming.py)")
 
     def ingress_settings(self) -> dict[str, Any]:
         """The `IngressSettings` fields that are set here; the rest come from the environment
@@ -192,14 +195,20 @@ def parse_args(args: dict[str, Any]) -> tuple[AppArgs, dict[str, EngineConfig]]:
 
 
 def build_app(args: dict[str, Any]):
-    """Build the lmserve application: one `ModelServer` deployment per model, one ingress.
+    """Build the lmserve application: one `ModelServer` deployment per model, one ingress; with
+    `direct_streaming` (one model), one `DirectStreamingServer` deployment that is both.
 
     Args:
-        args: `{"models": [entry, ...], "api_keys": [...], "ingress_deployment": {...}}`, each
-            entry an `EngineConfig` mapping plus `model_id` and `deployment`.
+        args: `{"models": [entry, ...], "api_keys": [...], "ingress_deployment": {...},
+            "direct_streaming": bool}`, each entry an `EngineConfig` mapping plus `model_id`
+            and `deployment`.
 
     Returns:
         A bound Ray Serve application (the ingress), for `serve run`/`serve.run`.
+
+    Raises:
+        ConfigError: naming the field that is wrong (`parse_args`; direct streaming with more
+            than one model or with `ingress_deployment`).
     """
     from ray import serve
 
@@ -207,6 +216,12 @@ def build_app(args: dict[str, Any]):
     from deployments.model_server import ModelServer
 
     app_args, configs = parse_args(args)
+    try:
+        IngressSettings.model_validate(app_args.ingress_settings())
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, "application args")) from None
+    if app_args.direct_streaming:
+        return _build_direct_streaming_app(app_args, configs)
     handles, model_configs = {}, {}
     for entry, (model_id, config) in zip(app_args.models, configs.items()):
         opts = model_deployment_options(model_id, config, entry.deployment)
@@ -217,8 +232,47 @@ def build_app(args: dict[str, Any]):
     ingress_opts = deep_merge(INGRESS_DEPLOYMENT_DEFAULTS, app_args.ingress_deployment)
     # The FastAPI app is built on each ingress replica (OpenAIIngress.__serve_build_asgi_app__).
     ingress = serve.deployment(serve.ingress()(OpenAIIngress), **ingress_opts)
-    try:
-        IngressSettings.model_validate(app_args.ingress_settings())
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, "application args")) from None
     return ingress.bind(model_configs, handles, app_args.ingress_settings())
+
+
+def direct_streaming_options(model_id: str, config: EngineConfig, user: dict) -> tuple[dict, int | None]:
+    """Ray Serve options of a direct-streaming deployment, and the most requests each replica
+    takes (`DirectStreamingServer`'s `max_requests`; None = no limit).
+
+    The model's options (`model_deployment_options`: resources, autoscaling, health checks),
+    except that lmserve, not Ray Serve, turns away what a replica cannot take: its limit is the
+    model's `max_ongoing_requests` + `max_queued_requests` (requests beyond the engine's own
+    batch wait in the engine), answered beyond with 503 + `Retry-After` in OpenAI's shape, so
+    Ray Serve admits more (`INGRESS_DEPLOYMENT_DEFAULTS`' `max_ongoing_requests`, at least
+    the limit + 1) and queues none.
+    """
+    opts = model_deployment_options(model_id, config, user)
+    queued = opts.pop("max_queued_requests", -1)
+    max_requests = None if queued == -1 else opts["max_ongoing_requests"] + queued
+    opts["max_ongoing_requests"] = max(INGRESS_DEPLOYMENT_DEFAULTS["max_ongoing_requests"], (max_requests or 0) + 1)
+    opts["max_queued_requests"] = -1
+    return opts, max_requests
+
+
+def _build_direct_streaming_app(app_args: AppArgs, configs: dict[str, EngineConfig]):
+    """One `DirectStreamingServer` deployment for the application's only model."""
+    from ray import serve
+
+    from deployments.direct_streaming import DirectStreamingServer
+
+    if len(configs) != 1:
+        raise ConfigError(f"application args: direct_streaming serves one model per application, not "
+                          f"{len(configs)} ({', '.join(configs)}); give each model an application of its own "
+                          "or turn direct_streaming off to route them through one ingress")
+    if app_args.ingress_deployment:
+        raise ConfigError("application args: ingress_deployment does not apply with direct_streaming (the "
+                          "model's deployment takes the requests); set its options in the model's `deployment`")
+    (model_id, config), = configs.items()
+    entry = app_args.models[0]
+    opts, max_requests = direct_streaming_options(model_id, config, entry.deployment)
+    backpressure = opts.pop("backpressure_config", None)
+    if backpressure is not None and not isinstance(backpressure, dict):
+        backpressure = backpressure.model_dump()  # a ray.serve.config.BackpressureConfig
+    server = serve.deployment(serve.ingress()(DirectStreamingServer), **opts)
+    return server.bind(model_id, config.model_dump(exclude={"extra_inert"}), app_args.ingress_settings(),
+                       max_requests=max_requests, backpressure_config=backpressure)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from deployments.constants import PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env
+from deployments.constants import (PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env,
+                                   direct_streaming_env)
 from engines.config import ConfigError, load_config_file
 
 
@@ -59,7 +60,8 @@ def _api(args: argparse.Namespace) -> int:
     model_id = os.environ.get("API_MODEL_NAME", "gpt-3.5-turbo")
     host, port = os.environ.get("API_HOST", "0.0.0.0"), int(os.environ.get("API_PORT", "8000"))
     entry = {"model_id": model_id, **config.model_dump(exclude={"extra_inert"}, exclude_unset=True)}
-    app = build_app({"models": [entry]})
+    # One model: direct streaming (one hop), unless LMSERVE_DIRECT_STREAMING=0.
+    app = build_app({"models": [entry], "direct_streaming": direct_streaming_env(True)})
     _isolate_a_new_local_cluster(port)
     ray.init()
     serve.start(http_options={"host": host, "port": port})

@@ -45,6 +45,7 @@ from deployments.errors import (
     to_error_response,
 )
 from deployments.metrics import ingress_metrics
+from deployments.model_client import InProcessClient, ReplicaClient
 from deployments.middleware import BodySizeLimitMiddleware
 from deployments.settings import IngressSettings
 from deployments.tool_calls import ToolCallStreamer, parse_tool_calls
@@ -126,11 +127,10 @@ class _ModelEntry:
     def root(self) -> str:
         return self.config.lora_adapters[self.lora_name] if self.lora_name else self.config.model_name_or_path
 
-    def __init__(self, model_id: str, config: EngineConfig, handle: Any):
+    def __init__(self, model_id: str, config: EngineConfig, client: ReplicaClient | InProcessClient):
         self.model_id = model_id
         self.config = config
-        self.handle = handle.options(stream=True)
-        self.unary_handle = handle  # for calls that return one value (`score`)
+        self.client = client
         self.capabilities: Capabilities = engine_capabilities(config.infer_backend)
         self.renderer: PromptRenderer | None = None
 
@@ -145,8 +145,19 @@ class OpenAIIngress:
     """
 
     async def __init__(self, models: dict[str, dict], handles: dict[str, Any], settings: dict | None = None):
+        await self._setup(models, {mid: ReplicaClient(handle) for mid, handle in handles.items()}, settings)
+
+    async def _setup(self, models: dict[str, dict], clients: dict[str, ReplicaClient | InProcessClient],
+                     settings: dict | None, max_requests: int | None = None,
+                     backpressure_config: dict | None = None) -> None:
+        """Set the replica up; `max_requests` (None = no limit) bounds the generations this
+        replica runs at once, and one more is refused with `OverloadedError` (status and
+        `Retry-After` from Ray Serve's `backpressure_config` fields `status_code`, `retry_after_s`)."""
         self.settings = IngressSettings.model_validate(settings or {})
-        self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), handles[mid]) for mid, cfg in models.items()}
+        self.max_requests = max_requests
+        self._backpressure = backpressure_config or {}
+        self._requests_in_flight = 0
+        self.models = {mid: _ModelEntry(mid, EngineConfig.from_dict(cfg), clients[mid]) for mid, cfg in models.items()}
         self.api_keys = [k.encode() for k in self.settings.resolve_api_keys()]
         self.image_loader = ImageLoader(self.settings.media)
         # One model at a time: transformers' lazy imports are not thread-safe on first use (two
@@ -283,16 +294,23 @@ class OpenAIIngress:
 
     async def _stream(self, entry: _ModelEntry, gen_request: GenerationRequest,
                       deadline: float, arrival: float) -> AsyncIterator[GenerationDelta]:
-        """Deltas from a replica of the model. A `GenerationError` value is raised here as
-        `_GenerationFailed`; past `deadline` (event-loop time) `RequestTimeoutError` is raised.
-        Leaving early (error, deadline, client gone) cancels the request on the replica.
+        """Deltas from the model (a replica, or the engine in this one). A `GenerationError` value
+        is raised here as `_GenerationFailed`; past `deadline` (event-loop time)
+        `RequestTimeoutError` is raised; beyond `max_requests` at once, `OverloadedError`.
+        Leaving early (error, deadline, client gone) cancels the request in the engine.
         Every delta passes here, so this is where the request's metrics are recorded (`arrival`:
         `time.monotonic()` when the handler started)."""
         loop = asyncio.get_running_loop()
+        if self.max_requests is not None and self._requests_in_flight >= self.max_requests:
+            raise OverloadedError(f"The model is overloaded, retry later ({self._requests_in_flight} requests "
+                                  "running or waiting on this replica)",
+                                  self._backpressure.get("retry_after_s") or constants.RETRY_AFTER_S,
+                                  self._backpressure.get("status_code"))
         tracker = self.metrics.track(entry.model_id, entry.config.infer_backend, n=gen_request.sampling_params.n,
                                      prompt_tokens=len(gen_request.prompt_token_ids), arrival=arrival)
         outcome = "failed"
-        response = entry.handle.generate.remote(gen_request)
+        response = entry.client.generate(gen_request)
+        self._requests_in_flight += 1
         try:
             while True:
                 try:
@@ -313,7 +331,8 @@ class OpenAIIngress:
             outcome = "aborted"  # the client went away (or the stream was dropped) mid-way
             raise
         finally:
-            response.cancel()
+            self._requests_in_flight -= 1
+            await response.aclose()
             tracker.close(outcome)
 
     async def _start_stream(self, entry: _ModelEntry, gen_request: GenerationRequest, deadline: float,
@@ -455,13 +474,12 @@ class OpenAIIngress:
         entry = self._resolve_model(body.model)
         self._label_request(request, entry)
         self._check_route(entry, scoring=True)
-        response = entry.unary_handle.score.remote(body.messages, body.max_length)
         try:
-            result = await asyncio.wait_for(_awaited(response), self.settings.request_timeout_s)
+            result = await asyncio.wait_for(entry.client.score(body.messages, body.max_length),
+                                            self.settings.request_timeout_s)
         except BackPressureError as exc:
             raise OverloadedError.from_backpressure(exc) from None
         except asyncio.TimeoutError:
-            response.cancel()
             raise RequestTimeoutError(f"scoring did not finish within {self.settings.request_timeout_s:g} s") from None
         if isinstance(result, GenerationError):
             raise _GenerationFailed(result).error_as_exception()
@@ -534,10 +552,6 @@ class _GenerationFailed(Exception):
         err = APIError(self.error.message, param=self.error.param, status_code=self.error.status_code)
         err.error_type = self.error.error_type
         return err
-
-
-async def _awaited(response: Any) -> Any:
-    return await response
 
 
 async def _chain(first: list[GenerationDelta], stream: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:

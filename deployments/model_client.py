@@ -1,0 +1,92 @@
+"""How the ingress reaches a model's engine: over a `DeploymentHandle` to the model's
+`ModelServer` deployment (two hops: HTTP into the ingress replica, then a call into a model
+replica), or inside the replica that took the HTTP request (direct streaming: one hop).
+
+Both clients yield the same items, the ones a `ModelServer` replica streams: lists of
+`GenerationDelta`s, or a `GenerationError` value that ends the stream, so the ingress has one
+code path for either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from deployments.errors import GenerationError
+from engines.base import Engine, GenerationDelta, GenerationRequest
+
+StreamItem = "list[GenerationDelta] | GenerationError"
+
+
+class ReplicaClient:
+    """A model served by its own `ModelServer` deployment, reached through its handle.
+
+    Args:
+        handle: the deployment's `DeploymentHandle`.
+    """
+
+    in_process = False
+
+    def __init__(self, handle: Any):
+        self._stream_handle = handle.options(stream=True)
+        self._handle = handle
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StreamItem]:
+        """The replica's stream (deltas grouped for `STREAM_BATCHING_INTERVAL_S`). Closing it
+        (or cancelling the task reading it) cancels the request on the replica.
+
+        Raises:
+            ray.serve.exceptions.BackPressureError: the deployment's queue is full.
+            ray.exceptions.RayActorError and similar: the replica failed (`is_replica_failure`).
+        """
+        response = self._stream_handle.generate.remote(request)
+        try:
+            async for item in response:
+                yield item
+        finally:
+            response.cancel()
+
+    async def score(self, texts: list[str], max_length: int | None) -> list[float] | GenerationError:
+        """Reward scores from a replica; cancelling the caller cancels the call."""
+        response = self._handle.score.remote(texts, max_length)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+
+
+class InProcessClient:
+    """A model whose engine runs in this replica: the deployment that takes the HTTP request
+    also generates (lmserve's direct streaming; Ray Serve LLM's `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`
+    makes its `LLMServer` the ingress the same way). No process boundary is crossed, so deltas
+    are not grouped: each is yielded as it comes, like vLLM's own OpenAI server.
+
+    Args:
+        engine: a started engine.
+    """
+
+    in_process = True
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StreamItem]:
+        """The engine's deltas, one list each; an engine error becomes a `GenerationError` value
+        (as a `ModelServer` replica sends it). Closing it stops the request in the engine."""
+        stream = self.engine.generate(request)
+        try:
+            async for delta in stream:
+                yield [delta]
+        except Exception as exc:  # noqa: BLE001 - errors travel as values, as from a replica
+            yield GenerationError.from_exception(exc)
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def score(self, texts: list[str], max_length: int | None) -> list[float] | GenerationError:
+        try:
+            return await self.engine.score(texts, max_length)
+        except Exception as exc:  # noqa: BLE001 - errors travel as values, as from a replica
+            return GenerationError.from_exception(exc)
