@@ -271,8 +271,14 @@ def _build_direct_streaming_app(app_args: AppArgs, configs: dict[str, EngineConf
     entry = app_args.models[0]
     opts, max_requests = direct_streaming_options(model_id, config, entry.deployment)
     backpressure = opts.pop("backpressure_config", None)
-    if backpressure is not None and not isinstance(backpressure, dict):
-        backpressure = backpressure.model_dump()  # a ray.serve.config.BackpressureConfig
+    if backpressure is not None:
+        from ray.serve.config import BackpressureConfig
+
+        try:  # what Ray Serve would have checked, had it answered the overload itself
+            backpressure = BackpressureConfig.model_validate(
+                backpressure if isinstance(backpressure, dict) else backpressure.model_dump()).model_dump()
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, f"model {model_id!r}: deployment.backpressure_config")) from None
     server = serve.deployment(serve.ingress()(DirectStreamingServer), **opts)
     return server.bind(model_id, config.model_dump(exclude={"extra_inert"}), app_args.ingress_settings(),
                        max_requests=max_requests, backpressure_config=backpressure)

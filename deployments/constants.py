@@ -208,8 +208,8 @@ def apply_own_serve_ports_if_taken(http_port: int,
     """Before this process starts a local Ray cluster: if another Serve cluster on this machine
     holds Ray Serve's default ports (see `second_cluster_ports_env` for why two clusters would
     silently answer each other's requests), put a block of free ones into `environ`; return
-    what it set. Nothing is set when the ports are free or `environ` sets any of them already
-    (the operator's choice).
+    what it set. Nothing is set (and nothing checked) when `environ` sets any of them already
+    (the operator's choice), nor when the ports are free.
 
     Raises:
         PortsInUseError: `http_port` is held by another process (with SO_REUSEPORT, two
@@ -241,14 +241,19 @@ def second_cluster_ports_env(avoid: Collection[int] = ()) -> dict[str, str]:
     gRPC, then stats, metrics, fallback HTTP and fallback gRPC. Every port of the block is
     checked to be free on all interfaces (a port another cluster holds with SO_REUSEPORT counts
     as taken) and to be none of `avoid` (ports the caller has picked but not bound yet, such as
-    the cluster's HTTP port).
+    the cluster's HTTP port) and outside the direct-ingress ranges of a cluster on Ray's
+    defaults, which it hands out as replicas start.
 
     Raises:
         PortsInUseError: no such block found in 100 tries.
     """
     from engines.server_process import free_port
 
-    avoid = set(avoid)
+    # nor the ranges a cluster on Ray's defaults hands out to replicas later
+    avoid = set(avoid) | set(range(RAY_SERVE_DEFAULT_PORTS["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"],
+                                   RAY_SERVE_DEFAULT_PORTS["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] + 1))
+    avoid |= set(range(RAY_SERVE_DEFAULT_PORTS["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"],
+                       RAY_SERVE_DEFAULT_PORTS["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"] + 1))
     for _ in range(100):
         base = free_port()
         block = range(base, base + 44)
@@ -272,6 +277,9 @@ def _port_is_free(port: int) -> bool:
     import socket
 
     with socket.socket() as sock:
+        # As servers bind (uvicorn, HAProxy): a port whose last connections are in TIME_WAIT is
+        # free; one that a socket listens on, with or without SO_REUSEPORT, is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("", port))
         except OSError:

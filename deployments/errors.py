@@ -51,8 +51,10 @@ class AuthenticationError(APIError):
 
 
 class OverloadedError(APIError):
-    """The model deployment's queue is full (Ray Serve's `max_queued_requests`): answered at once
-    with 503 (or 429 where the deployment's `backpressure_config` says so) and `Retry-After`."""
+    """The model deployment's queue is full (Ray Serve's `max_queued_requests`), or a
+    direct-streaming replica holds its `max_ongoing_requests` + `max_queued_requests` requests:
+    answered at once with 503 (or 429 where the deployment's `backpressure_config` says so) and
+    `Retry-After`."""
 
     status_code = 503
     error_type = "service_unavailable"

@@ -21,8 +21,9 @@ import time
 import uuid
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
@@ -302,9 +303,10 @@ class OpenAIIngress:
         `time.monotonic()` when the handler started)."""
         loop = asyncio.get_running_loop()
         if self.max_requests is not None and self._requests_in_flight >= self.max_requests:
+            retry_after = self._backpressure.get("retry_after_s")
             raise OverloadedError(f"The model is overloaded, retry later ({self._requests_in_flight} requests "
                                   "running or waiting on this replica)",
-                                  self._backpressure.get("retry_after_s") or constants.RETRY_AFTER_S,
+                                  constants.RETRY_AFTER_S if retry_after is None else retry_after,
                                   self._backpressure.get("status_code"))
         tracker = self.metrics.track(entry.model_id, entry.config.infer_backend, n=gen_request.sampling_params.n,
                                      prompt_tokens=len(gen_request.prompt_token_ids), arrival=arrival)
@@ -332,8 +334,10 @@ class OpenAIIngress:
             raise
         finally:
             self._requests_in_flight -= 1
-            await response.aclose()
-            tracker.close(outcome)
+            try:
+                await response.aclose()
+            finally:
+                tracker.close(outcome)
 
     async def _start_stream(self, entry: _ModelEntry, gen_request: GenerationRequest, deadline: float,
                             arrival: float) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
@@ -414,7 +418,7 @@ class OpenAIIngress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
                                        parse_tools=body.tools_enabled)
-            return self._sse_response(entry, chunks)
+            return self._sse_response(entry, chunks, stream)
         texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
         if self.settings.log_prompts:
             logger.info("%s completions=%r", request_id, texts)
@@ -458,7 +462,7 @@ class OpenAIIngress:
             first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
-            return self._sse_response(entry, chunks)
+            return self._sse_response(entry, chunks, stream)
         texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
@@ -488,10 +492,13 @@ class OpenAIIngress:
 
     # ---- SSE -----------------------------------------------------------------------------
 
-    def _sse_response(self, entry: _ModelEntry, chunks: AsyncIterator[str]) -> StreamingResponse:
-        """`chunks` as an SSE response; an error raised while streaming is counted for `entry`."""
+    def _sse_response(self, entry: _ModelEntry, chunks: AsyncIterator[str],
+                      generation: AsyncGenerator[GenerationDelta, None]) -> StreamingResponse:
+        """`chunks` as an SSE response; an error raised while streaming is counted for `entry`;
+        `generation` (the `_stream` that `chunks` reads) is closed when the response ends."""
         return _sse_response(chunks, partial(self.metrics.count_error, model_id=entry.model_id,
-                                             backend=entry.config.infer_backend), entry.capabilities.backend)
+                                             backend=entry.config.infer_backend), entry.capabilities.backend,
+                             generation)
 
     async def _chat_chunks(self, request_id: str, created: int, model: str, n: int, first: list[GenerationDelta],
                            stream: AsyncIterator[GenerationDelta], include_usage: bool,
@@ -635,7 +642,26 @@ def _headers(backend: str) -> dict[str, str]:
     return {"x-lmserve-backend": backend}
 
 
-def _sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None], backend: str) -> StreamingResponse:
+class _ClosingStreamingResponse(StreamingResponse):
+    """A `StreamingResponse` that closes the generation behind it when the response ends,
+    however it ends. Starlette closes nothing when the client goes away while a chunk is being
+    sent: the async generators would stay suspended until the garbage collector finalizes them,
+    and with them the engine's request and the replica's count of requests in flight."""
+
+    def __init__(self, content: AsyncIterator[str], generation: AsyncGenerator[Any, None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._generation = generation
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):  # also when the response was cancelled
+                await self._generation.aclose()
+
+
+def _sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None], backend: str,
+                  generation: AsyncGenerator[Any, None]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for text in chunks:
@@ -650,8 +676,8 @@ def _sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None]
             yield _sse(err.model_dump())
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={**_headers(backend), "cache-control": "no-cache"})
+    return _ClosingStreamingResponse(body(), generation, media_type="text/event-stream",
+                                     headers={**_headers(backend), "cache-control": "no-cache"})
 
 
 def _json_response(model: Any, backend: str) -> JSONResponse:

@@ -209,23 +209,30 @@ def test_second_cluster_ports_cover_every_fixed_serve_port():
     assert len(set(env.values())) == len(env)
 
 
-def test_a_new_cluster_takes_its_own_ports_only_when_another_holds_the_defaults():
+def test_a_new_cluster_takes_its_own_ports_only_when_another_holds_the_defaults(monkeypatch):
     import socket
 
+    from deployments import constants
     from deployments.constants import PortsInUseError, apply_own_serve_ports_if_taken
 
+    # Stand-ins for Ray Serve's default ports, free now (the test session's cluster may hold the real ones).
+    defaults = {name: free_port() for name in constants.RAY_SERVE_DEFAULT_PORTS}
+    for kind in ("HTTP", "GRPC"):  # ranges of one port
+        defaults[f"RAY_SERVE_DIRECT_INGRESS_MAX_{kind}_PORT"] = defaults[f"RAY_SERVE_DIRECT_INGRESS_MIN_{kind}_PORT"]
+    monkeypatch.setattr(constants, "RAY_SERVE_DEFAULT_PORTS", defaults)
     http_port = free_port()
-    with socket.socket() as fallback:  # what another cluster's fallback proxy holds
+    assert apply_own_serve_ports_if_taken(http_port, {}) == {}  # no other cluster: Ray's defaults
+    with socket.socket() as fallback:  # another cluster's fallback proxy (SO_REUSEPORT, as Ray binds it)
         fallback.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        try:
-            fallback.bind(("127.0.0.1", 8500))
-        except OSError:
-            pass  # held already (the test session's cluster): taken either way
+        fallback.bind(("127.0.0.1", defaults["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"]))
+        fallback.listen()
         environ: dict[str, str] = {}
         added = apply_own_serve_ports_if_taken(http_port, environ)
-        assert added and environ == added and "8500" not in added.values()
+        assert added.keys() == defaults.keys() and environ == added
+        assert str(defaults["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"]) not in added.values()
         assert apply_own_serve_ports_if_taken(http_port, environ) == {}  # set already: kept
         with socket.socket() as http:
             http.bind(("127.0.0.1", http_port))
+            http.listen()
             with pytest.raises(PortsInUseError, match=str(http_port)):
                 apply_own_serve_ports_if_taken(http_port, {})

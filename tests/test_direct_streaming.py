@@ -30,6 +30,10 @@ def test_direct_streaming_serves_exactly_one_model():
         build_app({"models": models, "direct_streaming": True})
     with pytest.raises(ConfigError, match="ingress_deployment does not apply"):
         build_app({"models": models[:1], "direct_streaming": True, "ingress_deployment": {"num_replicas": 2}})
+    # lmserve answers the overload, so it checks the deployment's backpressure_config as Ray Serve would
+    bad = {**models[0], "deployment": {"backpressure_config": {"status_code": 500}}}
+    with pytest.raises(ConfigError, match="backpressure_config"):
+        build_app({"models": [bad], "direct_streaming": True})
 
 
 # ---- on the session's Ray cluster (slow) -----------------------------------------------------
@@ -120,8 +124,8 @@ def _admits_all(url: str, count: int) -> bool:
 @pytest.mark.slow
 def test_a_full_replica_answers_503_and_a_closed_stream_frees_its_place(direct_url):
     """`LIMIT` streams fill the replica: one more request gets 503 + Retry-After in OpenAI's
-    shape at once. Closing the streams (clients gone) stops them in the engine and gives their
-    places back: `LIMIT` requests at once are then admitted again."""
+    shape at once. Closing the streams (clients gone) gives their places back: `LIMIT` requests
+    at once are then admitted again."""
     import time
 
     with httpx.Client(timeout=300) as client:
