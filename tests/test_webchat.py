@@ -33,27 +33,40 @@ def test_page_lists_models_after_the_key_is_entered(page):
     assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == ["smollm2", "smollm2:sft-lora"]
 
 
+def finished_bubble(page, index: int, timeout_ms: int = 120_000):
+    """The `index`-th answer bubble (0-based) once its request has ended; the page marks it
+    `data-done` and turns it into `.msg.error` if the request failed. Returns (class, text)."""
+    page.wait_for_function(
+        "i => { const b = document.querySelectorAll('.msg[data-done]'); return b.length > i && b[i].dataset.done == 'true'; }",
+        arg=index, timeout=timeout_ms)
+    bubble = page.locator(".msg[data-done]").nth(index)
+    return bubble.get_attribute("class"), bubble.text_content()
+
+
 def test_streamed_answer_and_history(page):
+    page.click("#clear")  # the page's first model list (no key yet) left an error message
     page.select_option("#model", "smollm2")
     page.fill("#temperature", "0")
     page.fill("#system", "You are a helpful assistant.")
     page.fill("#prompt", "What is the capital of France?")
     page.click("#send")
-    page.wait_for_selector(".msg.assistant[data-done='true']", timeout=120_000)
-    answer = page.text_content(".msg.assistant")
+    kind, answer = finished_bubble(page, 0)
+    assert kind == "msg assistant", answer
     assert "Paris" in answer
     page.fill("#prompt", "And of Germany?")
     page.keyboard.press("Enter")
-    page.wait_for_function("[...document.querySelectorAll('.msg.assistant')].length == 2 && "
-                           "document.querySelectorAll('.msg.assistant')[1].dataset.done == 'true'", timeout=120_000)
+    kind, answer = finished_bubble(page, 1)
+    assert kind == "msg assistant", answer
     assert page.locator(".msg.user").count() == 2
     page.click("#clear")
     assert page.locator(".msg").count() == 0
 
 
 def test_errors_are_shown(page):
+    page.click("#clear")
     page.fill("#max-tokens", "100000")
     page.fill("#prompt", "Hello")
     page.click("#send")
-    page.wait_for_selector(".msg.error", timeout=60_000)
-    assert "maximum context length" in page.text_content(".msg.error")
+    kind, text = finished_bubble(page, 0, timeout_ms=60_000)
+    assert kind == "msg error", text
+    assert "maximum context length" in text
