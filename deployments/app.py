@@ -49,7 +49,7 @@ class AppArgs(BaseModel):
     media: dict[str, Any] | None = Field(None, description="`MediaSettings` fields (engines/media.py)")
     ingress_deployment: dict[str, Any] = Field(default_factory=dict)
     direct_streaming: bool = Field(
-        default_factory=lambda: constants.DIRECT_STREAMING,
+        default_factory=lambda: constants.direct_streaming_env(False),
         description="One model: its deployment takes the HTTP requests itself (deployments/direct_streaming.py)")
 
     def ingress_settings(self) -> dict[str, Any]:
@@ -275,8 +275,7 @@ def _build_direct_streaming_app(app_args: AppArgs, configs: dict[str, EngineConf
         from ray.serve.config import BackpressureConfig
 
         try:  # what Ray Serve would have checked, had it answered the overload itself
-            backpressure = BackpressureConfig.model_validate(
-                backpressure if isinstance(backpressure, dict) else backpressure.model_dump()).model_dump()
+            backpressure = BackpressureConfig.model_validate(backpressure).model_dump()
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, f"model {model_id!r}: deployment.backpressure_config")) from None
     server = serve.deployment(serve.ingress()(DirectStreamingServer), **opts)

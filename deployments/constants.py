@@ -140,14 +140,13 @@ INGRESS_DEPLOYMENT_DEFAULTS: dict = {
 INLINE_RENDER_MAX_CHARS: int = int(_env_float("LMSERVE_INLINE_RENDER_MAX_CHARS", 8192))
 
 def direct_streaming_env(default: bool) -> bool:
-    """`LMSERVE_DIRECT_STREAMING` (`1`/`true` or `0`/`false`), else `default`."""
+    """`LMSERVE_DIRECT_STREAMING` (`1`/`true` or `0`/`false`), else `default`.
+
+    Direct streaming (deployments/direct_streaming.py): an application of one model serves HTTP
+    from the model's own replicas (one hop) instead of an ingress deployment in front of them.
+    `args.direct_streaming` defaults to `direct_streaming_env(False)`, read when the app is
+    built; serve_config.yaml and `lmserve api` turn it on."""
     return _env_str("LMSERVE_DIRECT_STREAMING", "1" if default else "0").lower() in ("1", "true")
-
-
-# Direct streaming (deployments/direct_streaming.py): an application of one model serves HTTP
-# from the model's own replicas (one hop) instead of an ingress deployment in front of them.
-# The default of `args.direct_streaming` (serve_config.yaml and `lmserve api` turn it on).
-DIRECT_STREAMING: bool = direct_streaming_env(False)
 
 # Deltas are grouped for this long before they cross from a replica to the ingress (the first
 # delta of a request goes at once). Ray Serve LLM uses 50 ms.

@@ -25,8 +25,6 @@ class ReplicaClient:
         handle: the deployment's `DeploymentHandle`.
     """
 
-    in_process = False
-
     def __init__(self, handle: Any):
         self._stream_handle = handle.options(stream=True)
         self._handle = handle
@@ -65,8 +63,6 @@ class InProcessClient:
     Args:
         engine: a started engine.
     """
-
-    in_process = True
 
     def __init__(self, engine: Engine):
         self.engine = engine
