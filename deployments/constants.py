@@ -175,10 +175,18 @@ RAY_HIGH_THROUGHPUT_ENV: dict[str, str] = {
 
 
 def apply_ray_high_throughput_env(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Put `RAY_HIGH_THROUGHPUT_ENV` into `environ` where it sets none of those variables; return
-    what it set. Call it before the process starts a Ray cluster; an existing cluster keeps the
-    mode it was started with."""
-    added = {k: v for k, v in RAY_HIGH_THROUGHPUT_ENV.items() if k not in environ}
+    """Put `RAY_HIGH_THROUGHPUT_ENV` into `environ` where it sets none of those variables, and
+    `RAY_SERVE_HAPROXY_BINARY_PATH` = the `lmserve-haproxy` launcher (HAProxy without TCP
+    splicing, so a client's close reaches the replica: deployments/haproxy.py) where it is
+    installed and the variable is unset; return what it set. Call it before the process starts a
+    Ray cluster; an existing cluster keeps the mode it was started with."""
+    from deployments.haproxy import HAPROXY_BINARY_ENV, launcher_path
+
+    wanted = dict(RAY_HIGH_THROUGHPUT_ENV)
+    launcher = launcher_path()
+    if launcher:
+        wanted[HAPROXY_BINARY_ENV] = launcher
+    added = {k: v for k, v in wanted.items() if k not in environ}
     environ.update(added)
     return added
 

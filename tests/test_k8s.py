@@ -249,6 +249,10 @@ def test_dockerfile_installs_what_the_readme_says():
     assert f"torch=={torch_pin}" in dockerfile
     assert 'pip install --no-cache-dir ".${LMSERVE_EXTRAS:+[${LMSERVE_EXTRAS}]}"' in dockerfile
     assert "lmserve download smollm2" in dockerfile
+    # Ray's HAProxy through lmserve-haproxy (no TCP splicing), checked at build time
+    launcher = re.search(r"^ENV RAY_SERVE_HAPROXY_BINARY_PATH=(\S+)$", dockerfile, re.M)[1]
+    assert launcher.endswith("/bin/lmserve-haproxy") and 'lmserve-haproxy = "deployments.haproxy:main"' in pyproject
+    assert 'RUN test -x "${RAY_SERVE_HAPROXY_BINARY_PATH}"' in dockerfile
     readme = _readme()
     assert base in readme and f"torch {torch_pin}" in readme
     build_args = set(re.findall(r"--build-arg (\w+)=", readme))

