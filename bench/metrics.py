@@ -12,6 +12,8 @@ starts the ITL clock.
 from __future__ import annotations
 
 import math
+import random
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -111,6 +113,19 @@ def percentile(values: list[float], q: float) -> float | None:
     pos = (len(ordered) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median_ci(values: list[float], confidence: float = 0.95, resamples: int = 2000,
+              seed: int = 0) -> tuple[float, float] | None:
+    """Bootstrap percentile interval of the median of `values` (resampled with replacement
+    `resamples` times, fixed `seed` so a report is reproducible); None for no values. Tells
+    whether a paired TTFT difference is below a target or only its point estimate is."""
+    if not values:
+        return None
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - confidence) / 2
+    return medians[int(tail * (resamples - 1))], medians[int((1 - tail) * (resamples - 1))]
 
 
 @dataclass

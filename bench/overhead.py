@@ -17,7 +17,9 @@ its requests round-robin, one at a time, so each variant sees the same machine s
   Serve's default data path, or `--variant group200:LMSERVE_STREAM_BATCHING_INTERVAL_MS=200`).
 
 It prints TTFT and inter-token latency p50/p95 per variant, each server's TTFT p50 minus the
-in-process one, and the median of the per-round differences (same prompt, sent moments apart);
+in-process one, and the median of the per-round differences (same prompt, sent moments apart)
+with its bootstrap 95 % interval (`bench.metrics.median_ci`: the pairs' spread on 2 shared cores
+is ~30 ms, so a few-ms target takes a couple of hundred rounds; `--max-tokens 2` keeps them short);
 `--out` writes the records as JSON. Prompts are rendered once by `engines.prompt`, as the ingress
 renders them. Each server runs its own Ray cluster, whose idle processes load the machine for
 every variant alike: fewer variants, less noise.
@@ -38,7 +40,7 @@ import httpx
 
 from bench import venvs
 from bench.loadgen import chat_payload, run_level, stream_chat
-from bench.metrics import Chunk, RequestRecord, count_tokens, itl_samples, percentile
+from bench.metrics import Chunk, RequestRecord, count_tokens, itl_samples, median_ci, percentile
 from bench.servers import ServerProcess
 from engines.server_process import free_port
 
@@ -57,12 +59,19 @@ def _tokens(records: list[RequestRecord]) -> int:
                for r in records if r.ok)
 
 
-def _paired_difference(records: list[RequestRecord], inprocess: list[RequestRecord]) -> float:
-    """Median over rounds of this variant's TTFT minus the in-process TTFT of the same round and
-    stream slot (same prompt, sent moments apart): per-request pairs cancel the machine's drift,
-    which the difference of two medians does not. Seconds; NaN without pairs."""
-    pairs = [a.ttft - b.ttft for a, b in zip(records, inprocess) if a.ttft is not None and b.ttft is not None]
-    return percentile(pairs, 50) if pairs else float("nan")
+def _paired_differences(records: list[RequestRecord], inprocess: list[RequestRecord]) -> list[float]:
+    """Per round and stream slot, this variant's TTFT minus the in-process TTFT (same prompt,
+    sent moments apart): per-request pairs cancel the machine's drift, which the difference of
+    two medians does not. Seconds."""
+    return [a.ttft - b.ttft for a, b in zip(records, inprocess) if a.ttft is not None and b.ttft is not None]
+
+
+def _paired_cell(pairs: list[float]) -> str:
+    """'median [95 % CI]' in ms, or 'n/a'."""
+    if not pairs:
+        return "n/a"
+    lo, hi = median_ci(pairs)
+    return f"{percentile(pairs, 50) * 1e3:+.1f} [{lo * 1e3:+.1f}, {hi * 1e3:+.1f}]"
 
 
 def _server(name: str, env_extra: dict[str, str], log_dir: Path) -> tuple[ServerProcess, str]:
@@ -147,7 +156,7 @@ async def main(opts: argparse.Namespace) -> None:
     print(f"\n{opts.rounds} rounds of {opts.concurrency} concurrent stream(s), {opts.max_tokens} new tokens, "
           "variants interleaved round-robin\n")
     print("| variant | output tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | tok/s / in-process "
-          "| TTFT p50 - in-process ms | paired TTFT difference p50 ms |")
+          "| TTFT p50 - in-process ms | paired TTFT difference p50 ms [95 % CI] |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, recs in records.items():
         ttfts = [r.ttft for r in recs if r.ttft is not None]
@@ -157,7 +166,7 @@ async def main(opts: argparse.Namespace) -> None:
         print(f"| {name}{f' ({failed} failed)' if failed else ''} | {tps:.1f} | {p50 * 1e3:.1f} | "
               f"{percentile(ttfts, 95) * 1e3:.1f} | {percentile(itls, 50) * 1e3:.1f} | "
               f"{percentile(itls, 95) * 1e3:.1f} | {tps / base_tps:.2f}x | {(p50 - base) * 1e3:+.1f} | "
-              f"{_paired_difference(recs, records['inprocess']) * 1e3:+.1f} |")
+              f"{_paired_cell(_paired_differences(recs, records['inprocess']))} |")
     if opts.out:
         opts.out.write_text(json.dumps({n: [r.to_dict() for r in rs] for n, rs in records.items()}))
 

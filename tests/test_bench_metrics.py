@@ -4,7 +4,10 @@ level summaries, the closed-loop driver and the lmserve / peer ratios. No model,
 import asyncio
 
 from bench.loadgen import run_level
-from bench.metrics import Chunk, LevelResult, RequestRecord, count_tokens, itl_samples, percentile, summarize
+import random
+
+from bench.metrics import (Chunk, LevelResult, RequestRecord, count_tokens, itl_samples, median_ci, percentile,
+                           summarize)
 from bench.report import ratio_rows, results_table
 from bench.targets import TargetResult
 
@@ -16,6 +19,18 @@ def test_percentile_interpolates_between_ranks_like_numpy():
     assert abs(percentile(values, 95) - 3.85) < 1e-12
     assert percentile([7.0], 95) == 7.0
     assert percentile([], 50) is None
+
+
+def test_median_ci_brackets_the_median_and_narrows_with_more_pairs():
+    rng = random.Random(7)
+    few = [rng.gauss(3.0, 30.0) for _ in range(50)]
+    many = few + [rng.gauss(3.0, 30.0) for _ in range(750)]
+    lo, hi = median_ci(few)
+    assert lo <= percentile(few, 50) <= hi
+    lo2, hi2 = median_ci(many)
+    assert lo2 <= 3.0 <= hi2 and hi2 - lo2 < (hi - lo) / 2
+    assert median_ci(few) == (lo, hi)  # fixed seed: the same report twice
+    assert median_ci([5.0]) == (5.0, 5.0) and median_ci([]) is None
 
 
 def test_itl_splits_a_multi_token_chunk_over_its_tokens():
