@@ -14,7 +14,10 @@ replica) and deploys two small deployments in lmserve's layout:
 - `FloorModel`: `generate` yields one list of one token at once (no model, no tokenizer).
 
 `--one-hop` deploys a single deployment that answers HTTP and "generates" itself, for what
-the ingress -> model hop costs. The same load generator as `python -m bench` (bench.loadgen) sends `--rounds` requests one at a
+the ingress -> model hop costs. `--lmserve` deploys that one and lmserve's own direct-streaming
+deployment (`DirectStreamingServer`, the real ingress code and tokenizer) over an engine that
+answers at once, and sends to them in turns: the paired difference is lmserve's own code on the
+path of a request, without the prefill whose spread (~30 ms) hides it in `bench.overhead`. The same load generator as `python -m bench` (bench.loadgen) sends `--rounds` requests one at a
 time and prints the TTFT p50/p95 and the end-to-end latency: everything in it is framework and
 HTTP, since the "model" answers in microseconds.
 """
@@ -30,7 +33,7 @@ import time
 import httpx
 
 from bench.loadgen import chat_payload, run_level, stream_chat
-from bench.metrics import percentile
+from bench.metrics import median_ci, percentile
 
 MODEL_ID = "floor"
 
@@ -107,15 +110,67 @@ def build_one_hop_app():
     return FloorOneHop.bind()
 
 
-async def _measure(url: str, rounds: int, warmup: int) -> list:
-    limits = httpx.Limits(max_connections=4, max_keepalive_connections=4)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        async def send(record, index):
-            await stream_chat(client, url + "/v1/chat/completions", chat_payload(MODEL_ID, "Hello there.", 1, False),
-                              record)
+def build_lmserve_app(model_dir: str):
+    """lmserve's own direct-streaming deployment (`DirectStreamingServer`: FastAPI app, request
+    validation, API-key check, the real chat template and tokenizer, metrics, SSE) in front of
+    an engine that answers every request with one token at once. Its TTFT minus the one-hop
+    floor's is lmserve's own code on the path; the in-process engine pays its engine hand-off
+    as lmserve does, so this is what lmserve adds to TTFT outside the model."""
+    from ray import serve
 
-        await run_level(send, 1, warmup, 120)
-        records, _ = await run_level(send, 1, rounds, 600)
+    from deployments.direct_streaming import DirectStreamingServer
+    from deployments.model_client import InProcessClient
+    from engines.base import Engine, GenerationDelta, ModelInfo, Usage
+    from engines import engine_capabilities
+
+    class InstantEngine(Engine):
+        """Answers one token ("x") at once; no model behind it."""
+
+        capabilities = engine_capabilities("huggingface")
+
+        async def start(self) -> None:
+            pass
+
+        async def generate(self, request):
+            yield GenerationDelta(text="x", num_tokens=1, finish_reason="length",
+                                  usage=Usage(len(request.prompt_token_ids), 1))
+
+        async def check_health(self) -> None:
+            pass
+
+        async def shutdown(self) -> None:
+            pass
+
+        def model_info(self) -> ModelInfo:
+            return ModelInfo(max_model_len=8192, dtype="float32", device="cpu")
+
+    class InstantDirectServer(DirectStreamingServer):
+        async def __init__(self, model_id: str, engine_config: dict):
+            self.engine = InstantEngine()
+            await self._setup({model_id: engine_config}, {model_id: InProcessClient(self.engine)}, {})
+
+    server = serve.deployment(serve.ingress()(InstantDirectServer), ray_actor_options={"num_cpus": 0})
+    return server.bind(MODEL_ID, {"model_name_or_path": model_dir, "infer_dtype": "float32"})
+
+
+async def _measure(urls: dict[str, str], rounds: int, warmup: int) -> dict[str, list]:
+    """`rounds` requests one at a time to each app, the apps taking turns (so drift hits all
+    alike); records per app name."""
+    limits = httpx.Limits(max_connections=4, max_keepalive_connections=4)
+    records: dict[str, list] = {name: [] for name in urls}
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        def sender(url):
+            async def send(record, index):
+                await stream_chat(client, url + "/v1/chat/completions",
+                                  chat_payload(MODEL_ID, "Hello there.", 1, False), record)
+            return send
+
+        for url in urls.values():
+            await run_level(sender(url), 1, warmup, 120)
+        for _ in range(rounds):
+            for name, url in urls.items():
+                recs, _ = await run_level(sender(url), 1, 1, 60)
+                records[name].extend(recs)
     return records
 
 
@@ -125,6 +180,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--one-hop", action="store_true",
                         help="one deployment answers HTTP and generates (no ingress -> model call)")
+    parser.add_argument("--lmserve", action="store_true",
+                        help="lmserve's direct-streaming deployment with an engine that answers at once, "
+                             "interleaved with the one-hop floor")
     opts = parser.parse_args()
 
     from deployments.constants import apply_ray_high_throughput_env, second_cluster_ports_env
@@ -139,30 +197,44 @@ def main() -> int:
 
     ray.init(address="local", num_cpus=2, include_dashboard=False,
              _temp_dir=tempfile.mkdtemp(prefix="lmfloor-"))
+    url = f"http://127.0.0.1:{port}"
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_one_hop_app() if opts.one_hop else build_floor_app(), name="floor", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        records = asyncio.run(_measure(url, opts.rounds, opts.warmup))
+        if opts.lmserve:
+            from engines.model_source import ensure_embedded_model
+
+            serve.run(build_one_hop_app(), name="floor", route_prefix="/floor")
+            serve.run(build_lmserve_app(str(ensure_embedded_model())), name="lmserve", route_prefix="/")
+            urls = {"one deployment (HAProxy -> replica)": url + "/floor",
+                    "lmserve direct streaming, engine answering at once": url}
+        else:
+            serve.run(build_one_hop_app() if opts.one_hop else build_floor_app(), name="floor", route_prefix="/")
+            urls = {"one deployment (HAProxy -> replica)" if opts.one_hop
+                    else "lmserve's topology (HAProxy -> ingress replica -> gRPC -> model replica)": url}
+        records = asyncio.run(_measure(urls, opts.rounds, opts.warmup))
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
-    ttfts = [r.ttft for r in records if r.ttft is not None]
-    ends = [r.end - r.start for r in records if r.end is not None]
-    failed = sum(1 for r in records if r.error)
-    if not ttfts:
-        print(f"no request succeeded ({failed} failed): {records[0].error if records else ''}")
-        return 1
-    topology = ("one deployment (HAProxy -> replica)" if opts.one_hop
-                else "lmserve's topology (HAProxy -> ingress replica -> gRPC -> model replica)")
-    print(f"\nRay Serve floor, {topology}, "
-          f"{len(ttfts)} requests one at a time{f', {failed} failed' if failed else ''}\n")
-    print("| TTFT p50 ms | TTFT p95 ms | end-to-end p50 ms |")
-    print("|--:|--:|--:|")
-    print(f"| {percentile(ttfts, 50) * 1e3:.2f} | {percentile(ttfts, 95) * 1e3:.2f} | "
-          f"{percentile(ends, 50) * 1e3:.2f} |")
+    print(f"\nRay Serve floor, {opts.rounds} requests one at a time per app\n")
+    print("| app | TTFT p50 ms | TTFT p95 ms | end-to-end p50 ms | failed |")
+    print("|---|--:|--:|--:|--:|")
+    for name, recs in records.items():
+        ttfts = [r.ttft for r in recs if r.ttft is not None]
+        ends = [r.end - r.start for r in recs if r.end is not None]
+        failed = sum(1 for r in recs if r.error)
+        if not ttfts:
+            print(f"| {name} | no request succeeded: {recs[0].error if recs else ''} | | | {failed} |")
+            return 1
+        print(f"| {name} | {percentile(ttfts, 50) * 1e3:.2f} | {percentile(ttfts, 95) * 1e3:.2f} | "
+              f"{percentile(ends, 50) * 1e3:.2f} | {failed} |")
+    if len(records) == 2:
+        (base_name, base), (name, recs) = records.items()
+        pairs = [a.ttft - b.ttft for a, b in zip(recs, base) if a.ttft is not None and b.ttft is not None]
+        lo, hi = median_ci(pairs)
+        print(f"\npaired TTFT difference, {name} - {base_name}: p50 {percentile(pairs, 50) * 1e3:+.2f} ms "
+              f"[95 % CI {lo * 1e3:+.2f}, {hi * 1e3:+.2f}]")
     return 0
 
 
