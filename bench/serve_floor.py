@@ -17,7 +17,8 @@ replica) and deploys two small deployments in lmserve's layout:
 the ingress -> model hop costs. `--lmserve` deploys that one and lmserve's own direct-streaming
 deployment (`DirectStreamingServer`, the real ingress code and tokenizer) over an engine that
 answers at once, and sends to them in turns: the paired difference is lmserve's own code on the
-path of a request, without the prefill whose spread (~30 ms) hides it in `bench.overhead`. The same load generator as `python -m bench` (bench.loadgen) sends `--rounds` requests one at a
+path of a request, without the prefill whose spread (~30 ms) hides it in `bench.overhead`.
+The same load generator as `python -m bench` (bench.loadgen) sends `--rounds` requests one at a
 time and prints the TTFT p50/p95 and the end-to-end latency: everything in it is framework and
 HTTP, since the "model" answers in microseconds.
 """
@@ -120,8 +121,8 @@ def build_lmserve_app(model_dir: str):
 
     from deployments.direct_streaming import DirectStreamingServer
     from deployments.model_client import InProcessClient
-    from engines.base import Engine, GenerationDelta, ModelInfo, Usage
     from engines import engine_capabilities
+    from engines.base import Engine, GenerationDelta, ModelInfo, Usage
 
     class InstantEngine(Engine):
         """Answers one token ("x") at once; no model behind it."""
@@ -165,11 +166,12 @@ async def _measure(urls: dict[str, str], rounds: int, warmup: int) -> dict[str, 
                                   chat_payload(MODEL_ID, "Hello there.", 1, False), record)
             return send
 
-        for url in urls.values():
-            await run_level(sender(url), 1, warmup, 120)
+        senders = {name: sender(url) for name, url in urls.items()}
+        for send in senders.values():
+            await run_level(send, 1, warmup, 120)
         for _ in range(rounds):
-            for name, url in urls.items():
-                recs, _ = await run_level(sender(url), 1, 1, 60)
+            for name, send in senders.items():
+                recs, _ = await run_level(send, 1, 1, 60)
                 records[name].extend(recs)
     return records
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Collection, MutableMapping
 
+from deployments.haproxy import HAPROXY_BINARY_ENV, launcher_path
+
 
 def _env_float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
@@ -180,8 +182,6 @@ def apply_ray_high_throughput_env(environ: MutableMapping[str, str] = os.environ
     splicing, so a client's close reaches the replica: deployments/haproxy.py) where it is
     installed and the variable is unset; return what it set. Call it before the process starts a
     Ray cluster; an existing cluster keeps the mode it was started with."""
-    from deployments.haproxy import HAPROXY_BINARY_ENV, launcher_path
-
     wanted = dict(RAY_HIGH_THROUGHPUT_ENV)
     launcher = launcher_path()
     if launcher:

@@ -2,10 +2,9 @@
 level summaries, the closed-loop driver and the lmserve / peer ratios. No model, no timing."""
 
 import asyncio
-
-from bench.loadgen import run_level
 import random
 
+from bench.loadgen import run_level
 from bench.metrics import (Chunk, LevelResult, RequestRecord, count_tokens, itl_samples, median_ci, percentile,
                            summarize)
 from bench.report import ratio_rows, results_table

@@ -113,7 +113,7 @@ def test_launcher_passes_every_client_close_on(tmp_path, monkeypatch):
     assert len(closes) == ROUNDS and all(c is not None and c < 1.0 for c in closes), closes
 
 
-def test_launcher_runs_rays_haproxy_without_splicing():
+def test_launcher_execs_rays_haproxy():
     out = subprocess.run([LAUNCHER, "-vv"], capture_output=True, text=True, timeout=30).stdout
     assert out.startswith("HAProxy version")
     assert real_haproxy_binary() != LAUNCHER and os.access(real_haproxy_binary(), os.X_OK)
