@@ -20,12 +20,20 @@ HAProxy) with the real binary and `-dS` in front of Ray's arguments. Splicing pa
 bodies, not for LLM requests and small SSE chunks: with both HAProxys serving in turns
 (`bench.overhead`, 200 rounds) the TTFT difference was within the probe's interval. An operator
 who sets `RAY_SERVE_HAPROXY_BINARY_PATH` keeps their binary, and Ray's splicing with it.
+
+The launcher also asks Linux to stop HAProxy when the process that started it dies
+(`PR_SET_PDEATHSIG`, kept across the exec). Ray's HAProxy manager stops HAProxy when Serve shuts
+down, but a manager killed outright (`ray stop --force`, the OOM killer) left it running, still
+bound to the HTTP port. The next cluster's HAProxy then failed to start ("Address already in
+use"), and clients kept reaching the old one.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -35,6 +43,8 @@ NO_SPLICE_FLAG = "-dS"
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 #: The console script of this module (pyproject.toml `[project.scripts]`).
 LAUNCHER_NAME = "lmserve-haproxy"
+#: prctl(2) option: the signal this process gets when the thread that created it exits.
+PR_SET_PDEATHSIG = 1
 
 
 def real_haproxy_binary() -> str:
@@ -68,11 +78,32 @@ def launcher_path() -> str | None:
     return shutil.which(LAUNCHER_NAME)
 
 
+def stop_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have Linux send `sig` to this process when the thread that started it exits (prctl(2)
+    `PR_SET_PDEATHSIG`, which survives exec). Ray's HAProxy manager starts HAProxy from its
+    actor's event-loop thread, which lives as long as the actor. SIGTERM stops HAProxy at once.
+    Does nothing off Linux.
+
+    Raises:
+        SystemExit: the parent exited before the setting took effect (nobody is left to
+            manage HAProxy).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return  # not allowed here (e.g. a seccomp profile): run as Ray would, without it
+    if os.getppid() != parent:
+        raise SystemExit("lmserve-haproxy: the process that started it has exited")
+
+
 def main() -> None:
-    """Replace this process with HAProxy, `-dS` first, then the arguments Ray gave."""
+    """Replace this process with HAProxy, `-dS` first, then the arguments Ray gave. HAProxy
+    is stopped when its parent dies (`stop_with_parent`)."""
     binary = real_haproxy_binary()
     if Path(binary).resolve() == Path(sys.argv[0]).resolve():
         raise SystemExit(f"lmserve-haproxy: {binary} is this launcher, not HAProxy")
+    stop_with_parent()
     os.execv(binary, [binary, NO_SPLICE_FLAG, *sys.argv[1:]])
 
 

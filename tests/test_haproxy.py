@@ -126,3 +126,40 @@ def test_high_throughput_env_names_the_launcher():
     mine = {HAPROXY_BINARY_ENV: "/opt/haproxy/bin/haproxy"}  # the operator's binary stays
     assert HAPROXY_BINARY_ENV not in apply_ray_high_throughput_env(mine)
     assert mine[HAPROXY_BINARY_ENV] == "/opt/haproxy/bin/haproxy"
+
+
+def _orphaned_haproxy_keeps_port(binary: str, tmp_path: Path) -> bool:
+    """Start `binary` (HAProxy or the launcher) from a parent process, SIGKILL the parent as
+    `ray stop --force` kills Ray's HAProxy manager, and tell whether the HTTP port is still
+    held 3 s later."""
+    frontend = free_port()
+    config = tmp_path / "orphan.cfg"
+    config.write_text(CONFIG.format(frontend=frontend, backend=free_port()))
+    starter = (f"import subprocess, time; p = subprocess.Popen([{binary!r}, '-db', '-f', {str(config)!r}]); "
+               "print(p.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    haproxy_pid = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 10
+        while socket.socket().connect_ex(("127.0.0.1", frontend)) != 0:
+            assert time.monotonic() < deadline, "HAProxy did not start"
+            time.sleep(0.05)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 3
+        while socket.socket().connect_ex(("127.0.0.1", frontend)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return socket.socket().connect_ex(("127.0.0.1", frontend)) == 0
+    finally:
+        parent.kill()
+        try:
+            os.kill(haproxy_pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def test_haproxy_stops_when_its_parent_is_killed(tmp_path, monkeypatch):
+    monkeypatch.setenv(HAPROXY_BINARY_ENV, LAUNCHER)
+    assert not _orphaned_haproxy_keeps_port(LAUNCHER, tmp_path)
+    # Ray's binary started directly outlives its parent and keeps the port: what the launcher fixes.
+    assert _orphaned_haproxy_keeps_port(real_haproxy_binary(), tmp_path)
