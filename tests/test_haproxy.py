@@ -4,6 +4,7 @@ client gives up on its request; the close must reach the server at once, as it m
 replica for a non-streamed request to be cancelled."""
 
 import os
+import signal
 import socket
 import socketserver
 import subprocess
@@ -78,6 +79,21 @@ class _WaitForClose(socketserver.BaseRequestHandler):
             sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nlate")
 
 
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_until_listening(port: int, alive, timeout_s: float = 10) -> None:
+    """Wait for HAProxy to listen on `port`; `alive()` is True while its process runs (else
+    what to report)."""
+    deadline = time.monotonic() + timeout_s
+    while not _port_open(port):
+        state = alive()
+        assert state is True and time.monotonic() < deadline, state or "HAProxy did not start"
+        time.sleep(0.05)
+
+
 def _closes_seen(binary: str, tmp_path: Path) -> list[float | None]:
     backend = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _WaitForClose)
     backend.daemon_threads = True
@@ -88,10 +104,7 @@ def _closes_seen(binary: str, tmp_path: Path) -> list[float | None]:
     config.write_text(CONFIG.format(frontend=frontend, backend=backend.server_address[1]))
     proc = subprocess.Popen([binary, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 10
-        while socket.socket().connect_ex(("127.0.0.1", frontend)) != 0:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
-            time.sleep(0.05)
+        _wait_until_listening(frontend, lambda: proc.poll() is None or proc.stderr.read().decode())
         for _ in range(ROUNDS):
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(f"http://127.0.0.1:{frontend}/v1/chat/completions", json={"model": "m"},
@@ -140,20 +153,17 @@ def _orphaned_haproxy_keeps_port(binary: str, tmp_path: Path) -> bool:
     parent = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
     haproxy_pid = int(parent.stdout.readline())
     try:
-        deadline = time.monotonic() + 10
-        while socket.socket().connect_ex(("127.0.0.1", frontend)) != 0:
-            assert time.monotonic() < deadline, "HAProxy did not start"
-            time.sleep(0.05)
+        _wait_until_listening(frontend, lambda: True)
         parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 3
-        while socket.socket().connect_ex(("127.0.0.1", frontend)) == 0 and time.monotonic() < deadline:
+        while _port_open(frontend) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return socket.socket().connect_ex(("127.0.0.1", frontend)) == 0
+        return _port_open(frontend)
     finally:
         parent.kill()
         try:
-            os.kill(haproxy_pid, 9)
+            os.kill(haproxy_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
