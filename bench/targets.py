@@ -176,16 +176,25 @@ def llamafactory_spec(s: Settings, port: int) -> ServerSpec:
                       ignore_eos=False)
 
 
+def server_spec(name: str, s: Settings, port: int) -> ServerSpec:
+    """How to start HTTP target `name` (`lmserve-hf`, `lmserve-vllm`, `vllm-serve` or
+    `llamafactory`) on 127.0.0.1:`port`.
+
+    Raises:
+        Unavailable: its environment cannot be built.
+    """
+    if name.startswith("lmserve-"):
+        return lmserve_spec(BACKENDS[name.removeprefix("lmserve-")], s, port)
+    if name == "vllm-serve":
+        return vllm_serve_spec(s, port)
+    return llamafactory_spec(s, port)
+
+
 def run_server_target(name: str, s: Settings) -> TargetResult:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     try:
-        if name.startswith("lmserve-"):
-            spec = lmserve_spec(BACKENDS[name.removeprefix("lmserve-")], s, port)
-        elif name == "vllm-serve":
-            spec = vllm_serve_spec(s, port)
-        else:
-            spec = llamafactory_spec(s, port)
+        spec = server_spec(name, s, port)
     except Unavailable as exc:
         return TargetResult(name, "not available", str(exc))
     result = TargetResult(name, "ok", description=spec.description, ignore_eos=spec.ignore_eos)
