@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hmac
 import json
 import logging
 import time
 import uuid
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncGenerator, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterator
 
 import anyio
 from fastapi import FastAPI, Request
@@ -30,12 +30,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deployments import constants
 from deployments.errors import (
     APIError,
-    AuthenticationError,
     BadRequestError,
     GenerationError,
     MethodNotAllowedError,
@@ -47,7 +46,8 @@ from deployments.errors import (
 )
 from deployments.metrics import ingress_metrics
 from deployments.model_client import InProcessClient, ReplicaClient
-from deployments.middleware import BodySizeLimitMiddleware
+from deployments.model_server import send_engine_logs_to_replica_log
+from deployments.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from deployments.settings import IngressSettings
 from deployments.tool_calls import ToolCallStreamer, parse_tool_calls
 from deployments.protocol import (
@@ -69,8 +69,8 @@ from deployments.protocol import (
     UsageInfo,
 )
 from engines import engine_capabilities
-from engines.base import (Capabilities, GenerationDelta, GenerationRequest, MediaInput, NotSupportedError, TokenLogprob,
-                          Usage)
+from engines.base import (Capabilities, EngineError, GenerationDelta, GenerationRequest, MediaInput, NotSupportedError,
+                          TokenLogprob, Usage)
 from engines.config import EngineConfig
 from engines.media import ImageLoader, image_parts
 from engines.model_source import resolve_model_path
@@ -89,13 +89,33 @@ async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+@contextmanager
+def _prompt_param(name: str) -> Iterator[None]:
+    """Errors about the prompt (too long for the context, ...) name `messages`, the chat field,
+    wherever they arise (engines, ingress); re-raised from `/v1/completions` they name `name`."""
+    try:
+        yield
+    except (APIError, EngineError) as exc:
+        if exc.param == "messages":
+            exc.param = name
+        raise
+
+
+# routes that need no API key: the liveness probe and the web chat page (its API calls send one)
+PUBLIC_PATHS = frozenset({"/health", "/"})
+
+
 def create_app(ingress: "OpenAIIngress") -> FastAPI:
     """The FastAPI app of one ingress replica: routes bound to `ingress`, OpenAI-shaped errors,
     a request body size limit (413) and CORS for the configured origins only."""
     app = FastAPI(title="lmserve", description="OpenAI-compatible API for models served on Ray Serve")
     # Ray Serve adds its own plain-text handler for `BackPressureError` to this app after it is
     # built, so `_start_stream` turns that one into an `OverloadedError` where it arises.
-    for exc_type in (RequestValidationError, StarletteHTTPException, Exception):
+    # The expected errors are answered by Starlette's ExceptionMiddleware and end there. A handler
+    # for `Exception` runs in its ServerErrorMiddleware, which answers and then re-raises, so Ray
+    # Serve logs "Request failed." with a traceback: right for a 500, noise for a 4xx.
+    for exc_type in (RequestValidationError, StarletteHTTPException, APIError, EngineError, BackPressureError,
+                     DeploymentUnavailableError, Exception):
         app.add_exception_handler(exc_type, _error_handler)
     app.get("/", response_class=HTMLResponse, include_in_schema=False)(ingress.webchat)
     app.get("/health")(ingress.health)
@@ -106,6 +126,9 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     app.post("/v1/score/evaluation")(ingress.score_evaluation)
     settings = ingress.settings
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    # outside the size limit and the routes: a request without a key gets 401 whatever its body
+    app.add_middleware(APIKeyMiddleware, api_keys=ingress.api_keys, public_paths=PUBLIC_PATHS,
+                       on_reject=lambda: ingress_metrics().count_error(401, "", ""))
     if settings.cors_allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type", "x-request-id"])
@@ -146,6 +169,7 @@ class OpenAIIngress:
     """
 
     async def __init__(self, models: dict[str, dict], handles: dict[str, Any], settings: dict | None = None):
+        send_engine_logs_to_replica_log()
         await self._setup(models, {mid: ReplicaClient(handle) for mid, handle in handles.items()}, settings)
 
     async def _setup(self, models: dict[str, dict], clients: dict[str, ReplicaClient | InProcessClient],
@@ -193,19 +217,6 @@ class OpenAIIngress:
     def _label_request(request: Request, entry: _ModelEntry) -> None:
         """An error answered for this request from now on is counted under this model."""
         request.state.metric_labels = (entry.model_id, entry.config.infer_backend)
-
-    def _authorize(self, request: Request) -> None:
-        if not self.api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        # compare against every key so the time taken does not depend on which one matched
-        ok = False
-        for key in self.api_keys:
-            ok |= hmac.compare_digest(given, key)
-        if not ok:
-            raise AuthenticationError("Invalid or missing API key. Send it as 'Authorization: Bearer <key>'.")
 
     def _resolve_model(self, model: str | None) -> _ModelEntry:
         if model is None:
@@ -391,17 +402,14 @@ class OpenAIIngress:
         return {"status": "ok"}
 
     async def list_models(self, request: Request) -> ModelList:
-        self._authorize(request)
         return ModelList(data=[ModelCard(id=mid, root=e.root, parent=e.parent) for mid, e in self.models.items()])
 
     async def get_model(self, model_id: str, request: Request) -> ModelCard:
-        self._authorize(request)
         entry = self._resolve_model(model_id)
         return ModelCard(id=entry.model_id, root=entry.root, parent=entry.parent)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = time.monotonic()
-        self._authorize(request)
         entry = self._resolve_model(body.model)
         self._label_request(request, entry)
         self._check_capabilities(entry, body)
@@ -435,7 +443,6 @@ class OpenAIIngress:
 
     async def completions(self, body: CompletionRequest, request: Request):
         arrival = time.monotonic()
-        self._authorize(request)
         entry = self._resolve_model(body.model)
         self._label_request(request, entry)
         self._check_capabilities(entry, body)
@@ -459,11 +466,14 @@ class OpenAIIngress:
         gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name)
         created = int(time.time())
         if body.stream:
-            first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)
+            with _prompt_param("prompt"):
+                first, stream = await self._start_stream(entry, gen_request, self._deadline(), arrival)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._completion_chunks(request_id, created, entry.model_id, first, stream, include_usage)
             return self._sse_response(entry, chunks, stream)
-        texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n, arrival)
+        with _prompt_param("prompt"):
+            texts, finish, stop_reasons, usage, logprobs = await self._generate_full(entry, gen_request, body.n,
+                                                                                     arrival)
         return _json_response(CompletionResponse(
             id=request_id, created=created, model=entry.model_id, usage=_usage_info(usage),
             choices=[CompletionChoice(index=i, text=texts[i], finish_reason=finish[i], stop_reason=stop_reasons[i],
@@ -474,7 +484,6 @@ class OpenAIIngress:
     async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> JSONResponse:
         """Reward scores for `body.messages` (LLaMA-Factory's `/v1/score/evaluation`), one float
         per text; 405 for a model that generates."""
-        self._authorize(request)
         entry = self._resolve_model(body.model)
         self._label_request(request, entry)
         self._check_route(entry, scoring=True)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import hmac
 import json
+from collections.abc import Callable
 
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from deployments.errors import AuthenticationError, to_error_response
 
 
 class BodySizeLimitMiddleware:
@@ -49,3 +54,53 @@ class BodySizeLimitMiddleware:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path below the app's mount point (`root_path`, Ray Serve's route prefix)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path or "/"
+
+
+def api_key_matches(authorization: str, api_keys: list[bytes]) -> bool:
+    """Whether an `Authorization` header value is `Bearer <one of api_keys>` (scheme case-insensitive).
+    Every key is compared, in constant time, so the time taken does not tell which one matched."""
+    scheme, _, token = authorization.partition(" ")
+    given = token.strip().encode() if scheme.lower() == "bearer" else b""
+    ok = False
+    for key in api_keys:
+        ok |= hmac.compare_digest(given, key)
+    return ok
+
+
+class APIKeyMiddleware:
+    """Answer 401 (OpenAI error shape, code `invalid_api_key`) to a request that does not send one
+    of `api_keys` as `Authorization: Bearer <key>`, before its body is read or validated: OpenAI's
+    API checks the key first, so a client without a key is told that, not what is wrong with its
+    body. `public_paths` (e.g. `/health`) and CORS preflights (`OPTIONS`) need no key; with no
+    keys configured nothing is checked. `on_reject()` runs for every 401 (the error metric).
+    """
+
+    def __init__(self, app: ASGIApp, api_keys: list[bytes], public_paths: frozenset[str],
+                 on_reject: Callable[[], None] = lambda: None):
+        self.app = app
+        self.api_keys = api_keys
+        self.public_paths = public_paths
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or not self.api_keys or scope["method"] == "OPTIONS"
+                or _route_path(scope) in self.public_paths
+                or api_key_matches(Headers(scope=scope).get("authorization", ""), self.api_keys)):
+            await self.app(scope, receive, send)
+            return
+        self.on_reject()
+        status, body = to_error_response(
+            AuthenticationError("Invalid or missing API key. Send it as 'Authorization: Bearer <key>'."))
+        payload = body.model_dump_json().encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})

@@ -22,14 +22,16 @@ logger = logging.getLogger("ray.serve")
 
 
 def send_engine_logs_to_replica_log() -> None:
-    """Write the `engines` loggers' records (INFO and up; e.g. an SGLang server child's output)
-    to this replica's log file: Ray Serve writes only its own `ray.serve` logger there."""
-    engines_log = logging.getLogger("engines")
-    engines_log.setLevel(logging.INFO)
-    engines_log.propagate = False
-    for handler in logger.handlers:
-        if handler not in engines_log.handlers:
-            engines_log.addHandler(handler)
+    """Write the `engines` and `deployments` loggers' records (INFO and up; e.g. an SGLang server
+    child's output, the unknown request fields `deployments.protocol` ignores) to this replica's
+    log file: Ray Serve writes only its own `ray.serve` logger there."""
+    for name in ("engines", "deployments"):
+        package_log = logging.getLogger(name)
+        package_log.setLevel(logging.INFO)
+        package_log.propagate = False
+        for handler in logger.handlers:
+            if handler not in package_log.handlers:
+                package_log.addHandler(handler)
 
 
 class ModelServer:

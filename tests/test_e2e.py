@@ -108,6 +108,16 @@ def test_bad_input_is_400_naming_the_field(client, body, param):
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
 
 
+def test_a_prompt_over_the_context_names_the_field_of_each_route(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="smollm2", prompt=[1] * 9000, max_tokens=1)
+    assert info.value.body["param"] == "prompt" and "maximum context length" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi " * 9000}],
+                                       max_tokens=1)
+    assert info.value.body["param"] == "messages" and "maximum context length" in info.value.body["message"]
+
+
 def test_non_json_body_is_400(serve_url):
     r = httpx.post(serve_url + "/v1/chat/completions", content=b"{not json",
                    headers={"authorization": f"Bearer {TEST_API_KEY}", "content-type": "application/json"})
@@ -122,6 +132,9 @@ def test_api_key_required(serve_url):
     assert info.value.body["code"] == "invalid_api_key"
     r = httpx.post(serve_url + "/v1/chat/completions", json={"messages": QUESTION})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    for body in (b"{not json", b'{"messages": []}'):  # the key is checked first, as OpenAI does
+        r = httpx.post(serve_url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(serve_url + "/health").status_code == 200  # health needs no key
 
 
