@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in targets:  # one at a time, the ones already up frozen, so start-ups do not compete
             port = free_port()
             spec = server_spec(name, settings, port)
-            server = ServerProcess(spec.cmd, spec.env, venvs.REPO_ROOT, args.log_dir / f"{name}.log", marker=spec.marker)
+            server = ServerProcess(spec.cmd, spec.env, venvs.REPO_ROOT, args.log_dir / f"{name}.log",
+                                   marker=spec.marker)
             for other, (up, _) in servers.items():
                 signal_tree(up.proc.pid, signal.SIGSTOP)
             server.start()
@@ -211,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                     result = asyncio.run(level(name, concurrency, settings.num_requests(concurrency)))
                     runs[name].setdefault(concurrency, []).append(result)
                     print(f"turns: round {round_index + 1}, {concurrency} streams, {name}: "
-                          f"{result.tokens_per_s:.1f} tok/s, {result.ok}/{result.requests} ok", file=sys.stderr, flush=True)
+                          f"{result.tokens_per_s:.1f} tok/s, {result.ok}/{result.requests} ok",
+                          file=sys.stderr, flush=True)
             print(table(args.levels, targets, runs), flush=True)
         if args.out:
             args.out.write_text(json.dumps({name: {str(c): [dataclasses.asdict(r) for r in results]

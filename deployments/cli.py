@@ -21,10 +21,25 @@ import sys
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from deployments.constants import (PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env,
                                    direct_streaming_env)
-from engines.config import ConfigError, load_config_file
+from engines.config import ConfigError, format_validation_error, load_config_file
+
+
+def _read_yaml(path: str | Path, what: str = "config") -> object:
+    """A YAML file's content.
+
+    Raises:
+        ConfigError: the file cannot be read or is not YAML (one line, naming the file).
+    """
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
 
 
 def _isolate_a_new_local_cluster(http_port: int) -> None:
@@ -67,8 +82,9 @@ def _api(args: argparse.Namespace) -> int:
     serve.start(http_options={"host": host, "port": port})
     print(f"lmserve: serving {config.model_name_or_path!r} as model {model_id!r} "
           f"({config.infer_backend}) on http://{host}:{port}/v1", file=sys.stderr)
-    serve.run(app, name="lmserve", route_prefix="/", blocking=True)
-    return 0
+    serve.run(app, name="lmserve", route_prefix="/")
+    print("lmserve: ready; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
+    return _run_until_signalled(["lmserve"])
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -140,16 +156,15 @@ def _serve(args: argparse.Namespace) -> int:
     open streams.) A cluster this starts runs in Ray Serve's high-throughput mode
     (`RAY_HIGH_THROUGHPUT_ENV`: HAProxy, direct ingress, gRPC between replicas)."""
     apply_ray_high_throughput_env()  # before Ray Serve's modules read their settings
-    import signal
-    import time
-
     import ray
-    from ray import serve
     from ray.serve._private import api as serve_private_api  # what `serve run` itself uses
     from ray.serve.config import ProxyLocation, gRPCOptions
     from ray.serve.schema import ServeDeploySchema
 
-    config = ServeDeploySchema.model_validate(yaml.safe_load(Path(args.config).read_text()))
+    try:
+        config = ServeDeploySchema.model_validate(_read_yaml(args.config))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source=args.config, what="Ray Serve config")) from None
     _isolate_a_new_local_cluster(config.http_options.port)
     ray.init(namespace="serve")
     client = serve_private_api.serve_start(
@@ -160,6 +175,19 @@ def _serve(args: argparse.Namespace) -> int:
     )
     client.deploy_apps(config, _blocking=False)
     print(f"lmserve: deployed {args.config}; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
+    return _run_until_signalled([app.name for app in config.applications])
+
+
+def _run_until_signalled(app_names: list[str]) -> int:
+    """Keep this process (the Serve driver) up until SIGTERM or SIGINT, then drain: delete the
+    applications, which lets every replica finish its in-flight requests (up to its
+    `graceful_shutdown_timeout_s`, at most `LMSERVE_DRAIN_TIMEOUT_S`, default 300 s) while new
+    requests are refused, and shut Serve down. A second signal stops at once. The handlers are
+    installed even where the shell started this process with SIGINT ignored (a background job)."""
+    import signal
+    import time
+
+    from ray import serve
 
     stop = {"signals": 0}
 
@@ -174,8 +202,8 @@ def _serve(args: argparse.Namespace) -> int:
         while not stop["signals"]:
             time.sleep(0.5)
         print("lmserve: draining in-flight requests...", file=sys.stderr)
-        for app in config.applications:
-            serve.delete(app.name, _blocking=False)
+        for name in app_names:
+            serve.delete(name, _blocking=False)
         # Each replica waits for its own requests up to its graceful_shutdown_timeout_s.
         deadline = time.monotonic() + float(os.environ.get("LMSERVE_DRAIN_TIMEOUT_S", 300))
         while serve.status().applications and time.monotonic() < deadline:
@@ -198,7 +226,9 @@ def _check(args: argparse.Namespace) -> int:
     from deployments.app import parse_args
     from engines.config import ConfigError
 
-    doc = yaml.safe_load(Path(args.config).read_text())
+    doc = _read_yaml(args.config)
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{args.config}: expected a Ray Serve config (a mapping with `applications`)")
     try:
         for app in doc.get("applications", []):
             _, configs = parse_args(app.get("args", {}))
@@ -214,9 +244,13 @@ def _render_k8s(args: argparse.Namespace) -> int:
     from deployments.rayservice import ManifestError, render_rayservice
 
     manifest_path = Path(args.manifest)
-    manifest = manifest_path.read_text()
     try:
-        rendered = render_rayservice(manifest, Path(args.config).read_text())
+        manifest = manifest_path.read_text()
+        config_text = Path(args.config).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{exc.filename}: cannot read: {exc.strerror or exc}") from None
+    try:
+        rendered = render_rayservice(manifest, config_text)
     except ManifestError as exc:
         print(f"{manifest_path}: {exc}", file=sys.stderr)
         return 2

@@ -365,8 +365,8 @@ def load_config_file(path: str, overrides: list[str] | None = None) -> EngineCon
     return EngineConfig.from_dict(data, source=path)
 
 
-def format_validation_error(exc: ValidationError, source: str | None = None) -> str:
-    """One readable line per pydantic error, each naming its field."""
+def format_validation_error(exc: ValidationError, source: str | None = None, what: str = "engine config") -> str:
+    """One line: `source: invalid <what>: ` and one part per pydantic error, each naming its field."""
     lines = []
     for err in exc.errors():
         field = ".".join(str(part) for part in err["loc"])
@@ -377,4 +377,4 @@ def format_validation_error(exc: ValidationError, source: str | None = None) -> 
         else:
             lines.append(f"field {field!r}: {err['msg']} (got {err.get('input')!r})")
     prefix = f"{source}: " if source else ""
-    return prefix + "invalid engine config: " + "; ".join(lines)
+    return f"{prefix}invalid {what}: " + "; ".join(lines)

@@ -48,6 +48,24 @@ def test_config_error_names_field_and_file(lf_config):
     assert str(lf_config) in proc.stderr and "unknown field 'temprature'" in proc.stderr
 
 
+@pytest.mark.parametrize("command", [["serve"], ["check"], ["api"], ["render-k8s", "--config"]])
+def test_an_unreadable_config_is_one_line_and_exit_2(tmp_path, command):
+    missing = tmp_path / "nope.yaml"
+    proc = subprocess.run(LMSERVE + command + [str(missing)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert str(missing) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_serve_config_that_is_not_yaml_or_not_a_serve_config_is_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications: [unclosed\n")
+    proc = subprocess.run(LMSERVE + ["serve", str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not valid YAML" in proc.stderr and "Traceback" not in proc.stderr
+    bad.write_text("applications: 5\n")
+    proc = subprocess.run(LMSERVE + ["serve", str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "applications" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_clusters_start_in_ray_serve_high_throughput_mode_unless_the_environment_says_otherwise():
     from deployments.constants import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
 
@@ -98,11 +116,10 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
         assert [m.id for m in client.models.list().data] == ["my-sft"]
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+        proc.send_signal(signal.SIGTERM)  # to the main process only: it drains and stops, as `lmserve serve`
+        assert proc.wait(120) == 0
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
