@@ -143,7 +143,7 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     field as `param`."""
     by_field: dict[str | None, str] = {}
     for err in exc.errors():
-        param = _field_path(tuple(err.get("loc", ())))
+        param = (err.get("ctx") or {}).get("param") or _field_path(tuple(err.get("loc", ())))  # field_error
         if err.get("type") == "json_invalid":
             error = err.get("ctx", {}).get("error", err.get("msg"))
             by_field.setdefault(None, f"request body is not valid JSON: {error}")

@@ -245,6 +245,8 @@ class OpenAIIngress:
         cls._check_route(entry, scoring=False)
         caps = entry.capabilities
         tool_choice = getattr(req, "tool_choice", None)
+        if tool_choice is not None and not isinstance(tool_choice, str):  # a named function
+            tool_choice = {"type": "function", "function": {"name": tool_choice.function.name}}
         response_format = getattr(req, "response_format", None)
         # capability -> (wanted by this request, the request field to name, how to say it)
         wants = {
@@ -278,7 +280,7 @@ class OpenAIIngress:
                 without image support (naming the backend).
             InvalidRequestError: an image that is not allowed, too large, or unreadable.
         """
-        tools = body.tools if body.tools_enabled else None
+        tools = body.tool_dicts() if body.tools_enabled else None
         kwargs = body.chat_template_kwargs or {}
         parts = image_parts(messages)
         if not parts:

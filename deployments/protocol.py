@@ -13,6 +13,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from engines.base import SamplingParams, StructuredOutput
 
@@ -40,6 +41,13 @@ class OpenAIBaseModel(BaseModel):
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+def field_error(param: str, message: str) -> PydanticCustomError:
+    """The error of a check across fields, naming the field to blame: the ingress reports
+    `param` as OpenAI's `param` (`deployments.errors.describe_validation_error`), where a plain
+    `ValueError` from a model validator would name none. `message` must not contain braces."""
+    return PydanticCustomError("invalid_field", message, {"param": param})
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -93,6 +101,32 @@ class ChatMessage(StrictModel):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role!r} message needs `content`")
         return self
+
+
+class FunctionDefinition(StrictModel):
+    """A tool's function, as OpenAI's API and vLLM take it: `name` is required."""
+
+    name: str = Field(..., min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionTool(StrictModel):
+    """One entry of `tools` (vLLM's `ChatCompletionToolsParam`: `type` defaults to "function")."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str = Field(..., min_length=1)
+
+
+class NamedToolChoice(StrictModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: force that function."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class JsonSchemaFormat(StrictModel):
@@ -175,7 +209,7 @@ class SamplingFields(OpenAIBaseModel):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise field_error("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     def effective_max_tokens(self) -> int | None:
@@ -219,8 +253,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -253,8 +287,12 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
+            raise field_error("top_logprobs", "top_logprobs requires logprobs: true")
         return self
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """`tools` as the chat template takes them (OpenAI's JSON, unknown fields kept)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     @property
     def tools_enabled(self) -> bool:
@@ -263,8 +301,9 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> "ChatCompletionRequest":
-        if self.tool_choice not in (None, "none", "auto") and not self.tools:
-            raise ValueError("tool_choice requires tools")
+        # OpenAI's API and vLLM (`check_tool_usage`) refuse any tool_choice but "none" without tools
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise field_error("tool_choice", "tool_choice is only allowed when tools are given")
         return self
 
 

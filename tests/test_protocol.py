@@ -44,6 +44,17 @@ def test_unknown_fields_are_accepted():
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"messages": MSG, "stop": [""]}, "stop"),
+    # checks across fields name the field to blame
+    ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": MSG, "tool_choice": "auto"}, "tool_choice"),  # OpenAI and vLLM: no tool_choice without tools
+    ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    # tools as OpenAI's API and vLLM take them
+    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"description": "x"}}]}, "tools.0.function.name"),
+    ({"messages": MSG, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
+    ({"messages": MSG, "tools": [{"function": {"name": "f", "parameters": "x"}}]}, "tools.0.function.parameters"),
+    ({"messages": MSG, "tools": [{"function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice"),
 ])
 def test_validation_errors_name_the_field(body, param):
     with pytest.raises(ValidationError) as info:
@@ -110,3 +121,14 @@ def test_unknown_fields_are_logged_once_per_name(caplog):
     assert lines == ["ChatCompletionRequest: ignoring unknown fields ['field_one_of_a_kind'] (logged once per "
                      "field name)", "ChatCompletionRequest: ignoring unknown fields ['field_two_of_a_kind'] "
                      "(logged once per field name)"]
+
+
+def test_tools_reach_the_template_as_sent_and_a_named_choice_is_kept():
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"},
+                                             "strict": True}}
+    req = ChatCompletionRequest.model_validate({"messages": MSG, "tools": [tool, {"function": {"name": "f"}}],
+                                                "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert req.tool_dicts() == [tool, {"type": "function", "function": {"name": "f"}}]  # extras kept, type defaulted
+    assert req.tool_choice.function.name == "f" and req.tools_enabled
+    off = ChatCompletionRequest.model_validate({"messages": MSG, "tools": [tool], "tool_choice": "none"})
+    assert not off.tools_enabled and ChatCompletionRequest.model_validate({"messages": MSG}).tool_dicts() is None
