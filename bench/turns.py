@@ -8,7 +8,8 @@ started once and kept up; each level then runs on one target at a time while eve
 the others is stopped with SIGSTOP (an idle Ray cluster or vLLM engine beside a target takes
 CPU from it on 2 cores: README, "One after the other"), target after target, the order reversed
 every other round. So a level's runs on two targets are minutes apart, not half an hour, and
-neither has the other beside it.
+neither has the other beside it. After each thaw a target must answer a short request before its
+level starts.
 
 It prints, per level, each target's aggregate output tok/s (median over rounds), TTFT and ITL
 p50 (over all its requests at that level), and the ratio of the first target to each other one
@@ -40,7 +41,7 @@ from bench.targets import MODEL_ID, Settings, Unavailable, server_spec
 from engines.server_process import free_port
 
 HTTP_TARGETS = ("lmserve-hf", "lmserve-vllm", "vllm-serve", "llamafactory")
-SETTLE_S = 2.0  # after thawing a target: its timers catch up before the level starts
+SETTLE_S = 2.0  # after thawing a target: its timers catch up, then it must answer, before the level
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
@@ -178,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     ignore_eos: dict[str, bool] = {}
     turns = Turns(servers)
     try:
-        for name in targets:  # one at a time, the ones already up frozen, so start-ups do not compete
+        # One at a time, the ones already up frozen, so start-ups do not compete; Ray clusters last:
+        # frozen through another's start-up (minutes), Ray Serve's controller finds its proxy
+        # health checks timed out when it wakes and restarts the proxy.
+        for name in sorted(targets, key=lambda n: n.startswith("lmserve-")):
             port = free_port()
             spec = server_spec(name, settings, port)
             server = ServerProcess(spec.cmd, spec.env, venvs.REPO_ROOT, args.log_dir / f"{name}.log",
@@ -209,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     turns.only(name)
                     time.sleep(SETTLE_S)
+                    # answering again (a Ray cluster may restart its proxy after a long freeze)
+                    servers[name][0].wait_ready(servers[name][1], MODEL_ID, 120)
                     result = asyncio.run(level(name, concurrency, settings.num_requests(concurrency)))
                     runs[name].setdefault(concurrency, []).append(result)
                     print(f"turns: round {round_index + 1}, {concurrency} streams, {name}: "
