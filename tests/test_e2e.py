@@ -118,6 +118,23 @@ def test_a_prompt_over_the_context_names_the_field_of_each_route(client):
     assert info.value.body["param"] == "messages" and "maximum context length" in info.value.body["message"]
 
 
+def test_unknown_fields_are_logged_in_the_replica_log(client):
+    import time
+    import uuid
+    from pathlib import Path
+
+    import ray
+
+    name = f"unknown_field_{uuid.uuid4().hex[:8]}"
+    resp = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=1, extra_body={name: 1})
+    assert resp.choices[0].finish_reason == "length"  # accepted and ignored
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    deadline = time.monotonic() + 30
+    while not any(name in path.read_text(errors="replace") for path in logs.glob("replica_*.log")):
+        assert time.monotonic() < deadline, f"{name} is in no {logs}/replica_*.log"
+        time.sleep(0.5)
+
+
 def test_non_json_body_is_400(serve_url):
     r = httpx.post(serve_url + "/v1/chat/completions", content=b"{not json",
                    headers={"authorization": f"Bearer {TEST_API_KEY}", "content-type": "application/json"})
