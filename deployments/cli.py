@@ -82,9 +82,15 @@ def _api(args: argparse.Namespace) -> int:
     serve.start(http_options={"host": host, "port": port})
     print(f"lmserve: serving {config.model_name_or_path!r} as model {model_id!r} "
           f"({config.infer_backend}) on http://{host}:{port}/v1", file=sys.stderr)
-    serve.run(app, name="lmserve", route_prefix="/")
+    stop = _drain_on_signals()  # before serve.run, which waits for the model to load (minutes)
+    try:
+        serve.run(app, name="lmserve", route_prefix="/")
+    except KeyboardInterrupt:  # a second signal while loading
+        print("lmserve: second signal, stopping now", file=sys.stderr)
+        serve.shutdown()
+        return 0
     print("lmserve: ready; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
-    return _run_until_signalled(["lmserve"])
+    return _run_until_signalled(["lmserve"], stop)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -178,16 +184,11 @@ def _serve(args: argparse.Namespace) -> int:
     return _run_until_signalled([app.name for app in config.applications])
 
 
-def _run_until_signalled(app_names: list[str]) -> int:
-    """Keep this process (the Serve driver) up until SIGTERM or SIGINT, then drain: delete the
-    applications, which lets every replica finish its in-flight requests (up to its
-    `graceful_shutdown_timeout_s`, at most `LMSERVE_DRAIN_TIMEOUT_S`, default 300 s) while new
-    requests are refused, and shut Serve down. A second signal stops at once. The handlers are
-    installed even where the shell started this process with SIGINT ignored (a background job)."""
+def _drain_on_signals() -> dict[str, int]:
+    """Install SIGTERM and SIGINT handlers that ask for a drain (`stop["signals"]` counts them);
+    a second signal raises KeyboardInterrupt to stop at once. Installed even where the shell
+    started this process with SIGINT ignored (a background job)."""
     import signal
-    import time
-
-    from ray import serve
 
     stop = {"signals": 0}
 
@@ -198,6 +199,21 @@ def _run_until_signalled(app_names: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = None) -> int:
+    """Keep this process (the Serve driver) up until SIGTERM or SIGINT (handlers from
+    `_drain_on_signals`, installed here unless `stop` comes from an earlier call), then drain:
+    delete the applications, which lets every replica finish its in-flight requests (up to its
+    `graceful_shutdown_timeout_s`, at most `LMSERVE_DRAIN_TIMEOUT_S`, default 300 s) while new
+    requests are refused, and shut Serve down. A second signal stops at once."""
+    import time
+
+    from ray import serve
+
+    if stop is None:
+        stop = _drain_on_signals()
     try:
         while not stop["signals"]:
             time.sleep(0.5)

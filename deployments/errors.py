@@ -72,6 +72,14 @@ class OverloadedError(APIError):
         return cls(f"The model is overloaded, retry later ({exc.message})", retry, exc.status_code)
 
 
+class ServiceUnavailableError(APIError):
+    """The model deployment has no replica to take the request (Ray Serve's
+    `DeploymentUnavailableError`: none running yet, or all gone): 503."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
 class ModelNotFoundError(APIError):
     status_code = 404
     error_type = "invalid_request_error"

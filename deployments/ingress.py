@@ -41,6 +41,7 @@ from deployments.errors import (
     ModelNotFoundError,
     OverloadedError,
     RequestTimeoutError,
+    ServiceUnavailableError,
     is_replica_failure,
     to_error_response,
 )
@@ -83,6 +84,8 @@ _WEBCHAT_HTML = (Path(__file__).parent / "webchat.html").read_text()
 
 async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
     status, body = to_error_response(exc)
+    if status >= 500 and isinstance(exc, (APIError, EngineError)):  # the unexpected ones: logged with a traceback
+        logger.warning("%s %s: %d %s", request.method, request.url.path, status, body.error.message)
     # labelled by the model once the handler has resolved it (`_label_request`)
     ingress_metrics().count_error(status, *getattr(request.state, "metric_labels", ("", "")))
     headers = {"retry-after": str(exc.retry_after)} if getattr(exc, "retry_after", None) else None
@@ -101,7 +104,8 @@ def _prompt_param(name: str) -> Iterator[None]:
         raise
 
 
-# routes that need no API key: the liveness probe and the web chat page (its API calls send one)
+# routes that need no API key: the liveness probe and the web chat page (its API calls send one),
+# and FastAPI's API docs (`create_app` adds them)
 PUBLIC_PATHS = frozenset({"/health", "/"})
 
 
@@ -109,13 +113,15 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     """The FastAPI app of one ingress replica: routes bound to `ingress`, OpenAI-shaped errors,
     a request body size limit (413) and CORS for the configured origins only."""
     app = FastAPI(title="lmserve", description="OpenAI-compatible API for models served on Ray Serve")
-    # Ray Serve adds its own plain-text handler for `BackPressureError` to this app after it is
-    # built, so `_start_stream` turns that one into an `OverloadedError` where it arises.
+    # Ray Serve adds its own plain-text handlers for `BackPressureError` and
+    # `DeploymentUnavailableError` to this app after it is built, so `_start_stream` and
+    # `score_evaluation` turn those into `OverloadedError` and `ServiceUnavailableError` where
+    # they arise.
     # The expected errors are answered by Starlette's ExceptionMiddleware and end there. A handler
     # for `Exception` runs in its ServerErrorMiddleware, which answers and then re-raises, so Ray
-    # Serve logs "Request failed." with a traceback: right for a 500, noise for a 4xx.
-    for exc_type in (RequestValidationError, StarletteHTTPException, APIError, EngineError, BackPressureError,
-                     DeploymentUnavailableError, Exception):
+    # Serve logs "Request failed." with a traceback: right for an unexpected error, noise for a
+    # 4xx (`_error_handler` logs the expected 5xx in one line).
+    for exc_type in (RequestValidationError, StarletteHTTPException, APIError, EngineError, Exception):
         app.add_exception_handler(exc_type, _error_handler)
     app.get("/", response_class=HTMLResponse, include_in_schema=False)(ingress.webchat)
     app.get("/health")(ingress.health)
@@ -127,7 +133,8 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     settings = ingress.settings
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     # outside the size limit and the routes: a request without a key gets 401 whatever its body
-    app.add_middleware(APIKeyMiddleware, api_keys=ingress.api_keys, public_paths=PUBLIC_PATHS,
+    docs = {app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url} - {None}
+    app.add_middleware(APIKeyMiddleware, api_keys=ingress.api_keys, public_paths=PUBLIC_PATHS | docs,
                        on_reject=lambda: ingress_metrics().count_error(401, "", ""))
     if settings.cors_allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
@@ -367,6 +374,8 @@ class OpenAIIngress:
                 raise exc.error_as_exception() from None
             except BackPressureError as exc:  # the deployment's queue is full: 503 + Retry-After at once
                 raise OverloadedError.from_backpressure(exc) from None
+            except DeploymentUnavailableError as exc:  # Ray Serve's own handler would answer plain text
+                raise ServiceUnavailableError(exc.message) from None
             except Exception as exc:
                 if attempt == 1 and is_replica_failure(exc):
                     logger.warning("request %s: replica failed before any output (%s); retrying once",
@@ -494,6 +503,8 @@ class OpenAIIngress:
                                             self.settings.request_timeout_s)
         except BackPressureError as exc:
             raise OverloadedError.from_backpressure(exc) from None
+        except DeploymentUnavailableError as exc:
+            raise ServiceUnavailableError(exc.message) from None
         except asyncio.TimeoutError:
             raise RequestTimeoutError(f"scoring did not finish within {self.settings.request_timeout_s:g} s") from None
         if isinstance(result, GenerationError):

@@ -209,7 +209,7 @@ class SamplingFields(OpenAIBaseModel):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
-            raise field_error("stream_options", "stream_options is only allowed when stream is true")
+            raise field_error("stream_options", "only allowed when `stream` is true")
         return self
 
     def effective_max_tokens(self) -> int | None:
@@ -287,8 +287,22 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
-            raise field_error("top_logprobs", "top_logprobs requires logprobs: true")
+            raise field_error("top_logprobs", "needs `logprobs: true`")
         return self
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_tool_choice_error(cls, value: Any) -> Any:
+        """One error on `tool_choice` naming what it takes (not pydantic's one per union member)."""
+        if value is None or value in ("none", "auto", "required") or isinstance(value, NamedToolChoice):
+            return value
+        if isinstance(value, dict):
+            try:
+                return NamedToolChoice.model_validate(value)
+            except ValidationError:
+                pass
+        raise ValueError("must be 'none', 'auto', 'required' or "
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}, got " + repr(value)[:80])
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """`tools` as the chat template takes them (OpenAI's JSON, unknown fields kept)."""
@@ -301,9 +315,9 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> "ChatCompletionRequest":
-        # OpenAI's API and vLLM (`check_tool_usage`) refuse any tool_choice but "none" without tools
-        if self.tool_choice not in (None, "none") and not self.tools:
-            raise field_error("tool_choice", "tool_choice is only allowed when tools are given")
+        # vLLM (`check_tool_usage`) and OpenAI's API refuse any tool_choice but "none" without tools
+        if self.tool_choice not in (None, "none") and self.tools is None:
+            raise field_error("tool_choice", "only allowed when `tools` are given")
         return self
 
 

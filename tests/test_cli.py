@@ -119,8 +119,12 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
         proc.send_signal(signal.SIGTERM)  # to the main process only: it drains and stops, as `lmserve serve`
         assert proc.wait(120) == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:  # a failed assertion above: stop it with its Ray cluster
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -122,3 +122,13 @@ def test_prompt_errors_name_the_prompt_field_of_the_completions_route():
     with pytest.raises(InvalidRequestError) as info, _prompt_param("prompt"):
         raise InvalidRequestError("bad", param="max_tokens")
     assert info.value.param == "max_tokens"
+
+
+def test_the_api_docs_are_public_and_paths_count_below_the_route_prefix():
+    client, _ = _client(api_keys=[KEY])
+    assert client.get("/openapi.json").status_code == 200 and client.get("/docs").status_code == 200
+    # Ray Serve mounts an app under its route prefix as the ASGI root_path
+    mounted = TestClient(client.app, root_path="/direct")
+    assert mounted.get("/direct/health").status_code == 200
+    assert mounted.get("/direct/v1/models").status_code == 401
+    assert mounted.get("/direct/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
