@@ -77,19 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.out_dir / "logs"
     log_dir.mkdir(exist_ok=True)
 
-    from transformers import AutoTokenizer
-
-    from engines.model_source import ensure_embedded_model
-
-    model_dir = ensure_embedded_model()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    settings = Settings(
-        levels=args.levels, max_tokens=args.max_tokens, requests_per_stream=args.requests_per_stream,
-        min_requests=args.min_requests, level_timeout=args.level_timeout, start_timeout=args.start_timeout,
-        install=not args.no_install, install_timeout=args.install_timeout, kvcache_gib=args.kvcache_gib,
-        model_dir=model_dir, prompts_path=args.prompts, log_dir=log_dir, deadline=started + args.max_total_s,
-        tokenize=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-    )
+    settings = Settings.from_args(args, log_dir, deadline=started + args.max_total_s)
     results: list[TargetResult] = []
     for name in args.targets.split(","):
         print(f"bench: === {name} === (load {_load()})", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ backend or environment is missing is reported "not available (reason)"; it never
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -64,6 +65,24 @@ class Settings:
     @property
     def prompts(self) -> list[str]:
         return json.loads(self.prompts_path.read_text())["prompts"]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, log_dir: Path, deadline: float) -> "Settings":
+        """From `python -m bench`'s (or `bench.turns`') options; fetches the embedded model (once)
+        and counts tokens with its tokenizer."""
+        from transformers import AutoTokenizer
+
+        from engines.model_source import ensure_embedded_model
+
+        model_dir = ensure_embedded_model()
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        return cls(
+            levels=args.levels, max_tokens=args.max_tokens, requests_per_stream=args.requests_per_stream,
+            min_requests=args.min_requests, level_timeout=args.level_timeout, start_timeout=args.start_timeout,
+            install=not args.no_install, install_timeout=args.install_timeout, kvcache_gib=args.kvcache_gib,
+            model_dir=model_dir, prompts_path=args.prompts, log_dir=log_dir, deadline=deadline,
+            tokenize=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+        )
 
     def num_requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_stream * concurrency)

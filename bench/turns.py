@@ -161,19 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = args.targets.split(",")
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
-    from transformers import AutoTokenizer
-
-    from engines.model_source import ensure_embedded_model
-
-    model_dir = ensure_embedded_model()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    settings = Settings(
-        levels=args.levels, max_tokens=args.max_tokens, requests_per_stream=args.requests_per_stream,
-        min_requests=args.min_requests, level_timeout=args.level_timeout, start_timeout=args.start_timeout,
-        install=not args.no_install, install_timeout=args.install_timeout, kvcache_gib=args.kvcache_gib,
-        model_dir=model_dir, prompts_path=args.prompts, log_dir=args.log_dir, deadline=time.monotonic() + 86400,
-        tokenize=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-    )
+    settings = Settings.from_args(args, args.log_dir, deadline=time.monotonic() + 86400)
     prompts = settings.prompts
     servers: dict[str, tuple[ServerProcess, str]] = {}
     ignore_eos: dict[str, bool] = {}

@@ -28,7 +28,7 @@ from deployments.constants import (PortsInUseError, apply_own_serve_ports_if_tak
 from engines.config import ConfigError, format_validation_error, load_config_file
 
 
-def _read_yaml(path: str | Path, what: str = "config") -> object:
+def _read_yaml(path: str | Path) -> object:
     """A YAML file's content.
 
     Raises:
@@ -37,7 +37,7 @@ def _read_yaml(path: str | Path, what: str = "config") -> object:
     try:
         return yaml.safe_load(Path(path).read_text())
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
 

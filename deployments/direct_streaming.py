@@ -22,7 +22,7 @@ import logging
 
 from deployments.ingress import OpenAIIngress
 from deployments.model_client import InProcessClient
-from deployments.model_server import send_engine_logs_to_replica_log
+from deployments.model_server import send_package_logs_to_replica_log
 from engines import create_engine
 from engines.config import EngineConfig
 
@@ -44,7 +44,7 @@ class DirectStreamingServer(OpenAIIngress):
 
     async def __init__(self, model_id: str, engine_config: dict, settings: dict | None = None,
                        max_requests: int | None = None, backpressure_config: dict | None = None):
-        send_engine_logs_to_replica_log()
+        send_package_logs_to_replica_log()
         self.engine = create_engine(EngineConfig.from_dict(engine_config))
         await self.engine.start()
         await self._setup({model_id: engine_config}, {model_id: InProcessClient(self.engine)}, settings,

@@ -47,7 +47,7 @@ from deployments.errors import (
 )
 from deployments.metrics import ingress_metrics
 from deployments.model_client import InProcessClient, ReplicaClient
-from deployments.model_server import send_engine_logs_to_replica_log
+from deployments.model_server import send_package_logs_to_replica_log
 from deployments.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from deployments.settings import IngressSettings
 from deployments.tool_calls import ToolCallStreamer, parse_tool_calls
@@ -176,7 +176,7 @@ class OpenAIIngress:
     """
 
     async def __init__(self, models: dict[str, dict], handles: dict[str, Any], settings: dict | None = None):
-        send_engine_logs_to_replica_log()
+        send_package_logs_to_replica_log()
         await self._setup(models, {mid: ReplicaClient(handle) for mid, handle in handles.items()}, settings)
 
     async def _setup(self, models: dict[str, dict], clients: dict[str, ReplicaClient | InProcessClient],
@@ -253,7 +253,7 @@ class OpenAIIngress:
         caps = entry.capabilities
         tool_choice = getattr(req, "tool_choice", None)
         if tool_choice is not None and not isinstance(tool_choice, str):  # a named function
-            tool_choice = {"type": "function", "function": {"name": tool_choice.function.name}}
+            tool_choice = tool_choice.model_dump()
         response_format = getattr(req, "response_format", None)
         # capability -> (wanted by this request, the request field to name, how to say it)
         wants = {

@@ -51,9 +51,14 @@ class BodySizeLimitMiddleware:
     async def _reject(self, send: Send) -> None:
         body = json.dumps({"error": {"message": self._message(), "type": "invalid_request_error",
                                      "param": None, "code": "request_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await _send_json(send, 413, body)
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    """Answer a request from middleware, before the app sees it: `body` is JSON."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _route_path(scope: Scope) -> str:
@@ -99,8 +104,4 @@ class APIKeyMiddleware:
         self.on_reject()
         status, body = to_error_response(
             AuthenticationError("Invalid or missing API key. Send it as 'Authorization: Bearer <key>'."))
-        payload = body.model_dump_json().encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+        await _send_json(send, status, body.model_dump_json().encode())

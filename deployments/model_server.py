@@ -21,7 +21,7 @@ from engines.config import EngineConfig
 logger = logging.getLogger("ray.serve")
 
 
-def send_engine_logs_to_replica_log() -> None:
+def send_package_logs_to_replica_log() -> None:
     """Write the `engines` and `deployments` loggers' records (INFO and up; e.g. an SGLang server
     child's output, the unknown request fields `deployments.protocol` ignores) to this replica's
     log file: Ray Serve writes only its own `ray.serve` logger there."""
@@ -43,7 +43,7 @@ class ModelServer:
     """
 
     async def __init__(self, model_id: str, engine_config: dict | EngineConfig):
-        send_engine_logs_to_replica_log()
+        send_package_logs_to_replica_log()
         self.model_id = model_id
         self.config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_dict(engine_config)
         self.engine = create_engine(self.config)
