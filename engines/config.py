@@ -136,6 +136,10 @@ class EngineConfig(BaseModel):
     hf_max_batch_tokens: int = Field(
         65536, ge=1, description="Most tokens (prompt + max new tokens, per sequence) reserved by the "
         "running batch; bounds KV cache memory. Requests beyond either limit wait in the replica.")
+    hf_chunked_prefill_size: int = Field(
+        512, ge=-1, description="Most prompt tokens (prompts x padded length) one prefill forward pass takes; "
+        "a longer prefill runs in chunks, and the running sequences decode a token between chunks, so a long "
+        "prompt does not stall them (SGLang's --chunked-prefill-size). -1 never splits a prefill.")
     hf_batch_wait_timeout_ms: float = Field(
         50, ge=0, description="When the batch is empty, the longest a first request waits for others to join "
         "its prefill (ms); 0 admits at once.")
@@ -249,6 +253,13 @@ class EngineConfig(BaseModel):
                 raise ValueError("adapter_name_or_path: LoRA adapters are not served by the ktransformers "
                                  "backend (not verified with kt-kernel); use infer_backend: sglang")
         return self
+
+    @field_validator("hf_chunked_prefill_size")
+    @classmethod
+    def _chunk_size(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be at least 1, or -1 to never split a prefill")
+        return value
 
     @field_validator("model_name_or_path")
     @classmethod

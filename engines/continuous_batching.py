@@ -8,7 +8,11 @@ KV cache is a transformers `DynamicCache`. Each scheduler step:
 2. admits waiting requests while the batch stays within `max_num_seqs` rows and
    `max_batch_tokens` reserved tokens (prompt + max new tokens per row); their prompts are
    prefilled together (left-padded) and their rows are merged into the batch. An empty batch
-   first holds its first request for the admission window (see `ContinuousBatcher`);
+   first holds its first request for the admission window (see `ContinuousBatcher`). A prefill
+   larger than `chunked_prefill_size` tokens (prompts x padded length) runs one chunk of columns
+   per step (chunked prefill, as SGLang's `--chunked-prefill-size` and vLLM's chunked prefill),
+   so a long prompt does not stall the running rows: they decode a token between its chunks.
+   Waiting requests are admitted once it is done;
 3. decodes one token for every row in a single forward pass, with per-row positions and an
    attention mask that hides the padding, then samples each row with its own parameters and
    random generator.
@@ -134,6 +138,25 @@ class GrowingLayer(DynamicLayer):
         return buffer
 
 
+@dataclass(eq=False)
+class _Prefill:
+    """Admitted prompts being prefilled a chunk of columns per step.
+
+    Shapes: `ids`, `mask`, `positions` (prompts, padded length); `done` columns are in `cache`.
+    """
+
+    requests: list[BatchRequest]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    cache: Any = None
+    done: int = 0
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+
 class ContinuousBatcher:
     """Schedules `BatchRequest`s onto a model in one worker thread.
 
@@ -147,6 +170,10 @@ class ContinuousBatcher:
         batch_wait_timeout_s: when the batch is empty, the longest a first request waits for
             others to join its prefill (s); 0 admits it at once.
         batch_wait_gap_s: the wait ends sooner, once no request has arrived for this long (s).
+        chunked_prefill_size: most prompt tokens (prompts x padded length) one prefill forward
+            pass takes; a larger prefill is split into chunks of columns, one per step, with a
+            decode step of the running rows after each. -1 never splits. Prompts with images,
+            and prefills without a KV cache, are never split.
 
     Admission window: requests that a burst of clients sends at once reach the replica spread
     over 8-25 ms (measured at 16 streams: HTTP, the ingress, then the replica, one request after
@@ -169,7 +196,8 @@ class ContinuousBatcher:
     lone_starts_to_disarm = 3
 
     def __init__(self, model: Any, max_num_seqs: int = 32, max_batch_tokens: int = 65536,
-                 use_kv_cache: bool = True, batch_wait_timeout_s: float = 0.0, batch_wait_gap_s: float = 0.0):
+                 use_kv_cache: bool = True, batch_wait_timeout_s: float = 0.0, batch_wait_gap_s: float = 0.0,
+                 chunked_prefill_size: int = -1):
         self.model = model
         self.device = model.device
         # A peft model takes one adapter name per row ("__base__" = no adapter).
@@ -179,6 +207,8 @@ class ContinuousBatcher:
         self.use_kv_cache = use_kv_cache
         self.batch_wait_timeout_s = batch_wait_timeout_s
         self.batch_wait_gap_s = batch_wait_gap_s
+        self.chunked_prefill_size = chunked_prefill_size
+        self._prefilling: _Prefill | None = None  # a chunked prefill in progress
         self._waiting: deque[BatchRequest] = deque()
         self._rows: list[_Row] = []
         self._cache: Any = None
@@ -218,7 +248,7 @@ class ContinuousBatcher:
             if (self._idle_start is not None and not self._idle_start_had_company
                     and now - self._idle_start <= self.batch_wait_timeout_s):
                 self._idle_start_had_company, self._lone_idle_starts = True, 0
-            if not self._waiting and all(r.done for r in self._rows):
+            if not self._waiting and self._prefilling is None and all(r.done for r in self._rows):
                 self._note_idle_start(now)
             self._waiting.append(request)
             self._wake.notify_all()
@@ -248,8 +278,10 @@ class ContinuousBatcher:
 
     @property
     def num_running(self) -> int:
-        """Requests with at least one row in the batch."""
-        return len({id(r.request) for r in self._rows if not r.done})
+        """Requests admitted and not finished: with a row in the batch, or being prefilled."""
+        prefilling = self._prefilling.requests if self._prefilling is not None else []
+        return len({id(r.request) for r in self._rows if not r.done}
+                   | {id(r) for r in prefilling if not r.cancelled})
 
     @property
     def num_waiting(self) -> int:
@@ -265,9 +297,9 @@ class ContinuousBatcher:
                     # Empty the batch before waiting, so that a request arriving right after the
                     # last one finished meets the admission window (not a half-emptied batch).
                     self._drop_done_rows()
-                while not self._stopped and not self._waiting and not self._rows:
+                while not self._stopped and not self._waiting and not self._rows and self._prefilling is None:
                     self._wake.wait()
-                if not self._rows:
+                if not self._rows and self._prefilling is None:
                     self._wait_for_arrivals()
                 if self._stopped:
                     break
@@ -275,12 +307,21 @@ class ContinuousBatcher:
                 with torch.inference_mode():
                     self._step()
             except Exception as exc:  # noqa: BLE001 - fail the requests in the batch, keep serving
-                logger.exception("batch step failed; failing %d running requests", len(self._rows))
-                for request in {id(r.request): r.request for r in self._rows}.values():
+                failed = self._admitted_requests()
+                logger.exception("batch step failed; failing %d running requests", len(failed))
+                for request in failed:
                     request.emit(exc)
                 self._rows, self._cache, self._mask, self._next_tokens = [], None, None, None
-        for request in list(self._waiting) + [r.request for r in self._rows]:
+                self._prefilling = None
+        for request in list(self._waiting) + self._admitted_requests():
             request.emit(RuntimeError("engine shut down"))
+
+    def _admitted_requests(self) -> list[BatchRequest]:
+        """Every request in the batch or being prefilled, once each."""
+        requests = {id(r.request): r.request for r in self._rows}
+        if self._prefilling is not None:
+            requests.update((id(r), r) for r in self._prefilling.requests)
+        return list(requests.values())
 
     def _wait_for_arrivals(self) -> None:
         """The admission window (see the class docstring); called with `_wake` held and the
@@ -303,12 +344,14 @@ class ContinuousBatcher:
     def _step(self) -> None:
         self.steps += 1
         self._drop_done_rows()
-        admitted = self._admit()
         events: dict[int, tuple[BatchRequest, list[TokenEvent]]] = {}
-        if admitted:
-            self._prefill(admitted, events)
-        decode_rows = [r for r in self._rows if not r.done and r.generated]
-        if decode_rows and not admitted:
+        if self._prefilling is None:
+            admitted = self._admit()
+            if admitted:
+                self._prefilling = self._start_prefill(admitted)
+        if self._prefilling is not None and self._drop_cancelled_prompts(self._prefilling):
+            self._prefill_chunk(self._prefilling, events)
+        elif any(not r.done and r.generated for r in self._rows):
             self._decode(events)
         for request, items in events.values():
             request.emit(items)
@@ -356,10 +399,8 @@ class ContinuousBatcher:
                     layer.keys = layer.keys[:, :, first:]
                     layer.values = layer.values[:, :, first:]
 
-    def _prefill(self, admitted: list[BatchRequest], events: dict) -> None:
-        """Prefill the admitted prompts together, sample their first tokens, and merge them
-        into the running batch. The running rows decode this step too (in the same pass when
-        there is no KV cache, else right after)."""
+    def _start_prefill(self, admitted: list[BatchRequest]) -> _Prefill:
+        """The admitted prompts left-padded into one batch, not yet run."""
         width = max(len(r.prompt_ids) for r in admitted)
         ids = torch.zeros((len(admitted), width), dtype=torch.long, device=self.device)
         mask = torch.zeros((len(admitted), width), dtype=torch.long, device=self.device)
@@ -367,16 +408,60 @@ class ContinuousBatcher:
             ids[i, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
             mask[i, width - len(request.prompt_ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return _Prefill(admitted, ids, mask, positions)
+
+    def _chunk_columns(self, job: _Prefill) -> int:
+        """How many of the job's remaining columns this step's forward pass takes."""
+        remaining = job.width - job.done
+        if (self.chunked_prefill_size < 0 or not self.use_kv_cache
+                or any(r.model_inputs for r in job.requests)):
+            return remaining
+        return min(remaining, max(1, self.chunked_prefill_size // len(job.requests)))
+
+    def _drop_cancelled_prompts(self, job: _Prefill) -> bool:
+        """Take cancelled requests out of a prefill (their rows of the tensors and the cache).
+
+        Returns:
+            whether any request is left; if none, the prefill is dropped.
+        """
+        keep = [i for i, r in enumerate(job.requests) if not r.cancelled]
+        if len(keep) == len(job.requests):
+            return True
+        if not keep:
+            self._prefilling = None
+            return False
+        index = torch.tensor(keep, device=self.device)
+        job.requests = [job.requests[i] for i in keep]
+        job.ids, job.mask, job.positions = (t.index_select(0, index) for t in (job.ids, job.mask, job.positions))
+        if job.cache is not None:
+            job.cache.batch_select_indices(index)
+        return True
+
+    def _prefill_chunk(self, job: _Prefill, events: dict) -> None:
+        """Run the next chunk of `job`'s columns; the running rows decode a token after it.
+        After the last chunk, sample the prompts' first tokens and merge their rows into the
+        batch; the running rows decode before the merge (with a KV cache), so a stream of
+        arrivals cannot starve them."""
+        start = job.done
+        end = start + self._chunk_columns(job)
+        admitted = job.requests
         media = admitted[0].model_inputs or {}  # only set when it was admitted alone
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=self.use_kv_cache,
-                         **media, **self._adapter_kwargs(admitted))
+        out = self.model(input_ids=job.ids[:, start:end], attention_mask=job.mask[:, :end],
+                         position_ids=job.positions[:, start:end], past_key_values=job.cache,
+                         use_cache=self.use_kv_cache, **media, **self._adapter_kwargs(admitted))
+        job.cache, job.done = out.past_key_values if self.use_kv_cache else None, end
+        if end < job.width:
+            if any(not r.done and r.generated for r in self._rows):
+                self._decode(events)
+            return
+        self._prefilling = None
         repeat = torch.tensor([r.params.n for r in admitted], device=self.device)
         row_of = torch.repeat_interleave(torch.arange(len(admitted), device=self.device), repeat)
         logits = out.logits[:, -1, :].float().index_select(0, row_of)
         new_rows = [_Row(request, index) for request in admitted for index in range(request.params.n)]
         new_cache = None
         if self.use_kv_cache:
-            new_cache = out.past_key_values
+            new_cache = job.cache
             # Plain layers grow in place from now on (sliding-window and other layers stay as they are).
             new_cache.layers = [GrowingLayer(layer) if type(layer) is DynamicLayer else layer
                                 for layer in new_cache.layers]
@@ -388,7 +473,7 @@ class ContinuousBatcher:
         # Decode the running rows now too, so a stream of arrivals cannot starve them.
         if old_rows and self.use_kv_cache:
             self._decode(events)
-        self._merge(new_rows, new_cache, mask.index_select(0, row_of), tokens)
+        self._merge(new_rows, new_cache, job.mask.index_select(0, row_of), tokens)
         for row, token, lp in zip(new_rows, tokens.tolist(), logprobs):
             self._record(row, token, events, lp)
 

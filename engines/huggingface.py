@@ -137,7 +137,8 @@ class HuggingFaceEngine(Engine):
                                           max_batch_tokens=self.config.hf_max_batch_tokens,
                                           use_kv_cache=self.config.use_kv_cache,
                                           batch_wait_timeout_s=self.config.hf_batch_wait_timeout_ms / 1e3,
-                                          batch_wait_gap_s=self.config.hf_batch_wait_gap_ms / 1e3)
+                                          batch_wait_gap_s=self.config.hf_batch_wait_gap_ms / 1e3,
+                                          chunked_prefill_size=self.config.hf_chunked_prefill_size)
         self._batcher.start()
 
     def _load(self) -> None:

@@ -45,6 +45,14 @@ def test_unknown_field_is_rejected_by_name():
         EngineConfig.from_dict({"infer_backend": "tensorrt"}, source="my.yaml")
 
 
+def test_chunked_prefill_size_is_positive_or_minus_one():
+    assert EngineConfig().hf_chunked_prefill_size == 512
+    assert EngineConfig(hf_chunked_prefill_size=-1).hf_chunked_prefill_size == -1
+    for bad in (0, -2):
+        with pytest.raises(ConfigError, match="hf_chunked_prefill_size"):
+            EngineConfig.from_dict({"hf_chunked_prefill_size": bad})
+
+
 def test_serve_config_parses_and_builds_options():
     doc = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     app = doc["applications"][0]

@@ -1,6 +1,7 @@
 """The huggingface engine on the real default model (SmolLM2-135M-Instruct)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -356,3 +357,140 @@ def test_gqa_attention_matches_transformers_sdpa(hf_engine, renderer):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+class _Recorder:
+    """A fresh batcher on the real model; `request(ids, max_tokens)` makes a greedy request whose
+    events (with the batcher's step count when they were emitted) land in `events[request_id]`."""
+
+    def __init__(self, model, chunked_prefill_size):
+        import threading
+
+        from engines.continuous_batching import ContinuousBatcher
+
+        self.batcher = ContinuousBatcher(model, chunked_prefill_size=chunked_prefill_size)
+        self.events: dict[str, list] = {}
+        self.finished: dict[str, threading.Event] = {}
+
+    def __enter__(self):
+        self.batcher.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.batcher.stop()
+
+    def request(self, name, ids, max_tokens, n=1, logprobs=None):
+        import threading
+
+        import torch
+
+        from engines.continuous_batching import BatchRequest
+
+        self.events[name], self.finished[name] = [], threading.Event()
+
+        def emit(items):
+            self.events[name].extend((self.batcher.steps, item) for item in
+                                     ([items] if isinstance(items, BaseException) else items))
+            done = {i for _, (i, _, finish, _, _) in self.events[name] if finish} if not isinstance(items, BaseException) else None
+            if done is None or len(done) == n:
+                self.finished[name].set()
+
+        params = SamplingParams(temperature=0, ignore_eos=True, n=n, logprobs=logprobs)
+        return BatchRequest(name, ids, params, max_tokens, set(), torch.Generator(), emit)
+
+    def wait(self, *names):
+        for name in names:
+            assert self.finished[name].wait(120), f"{name} did not finish"
+
+    def tokens(self, name, index=0):
+        return [token for _, (i, token, _, _, _) in self.events[name] if i == index]
+
+
+def _long_prompt(renderer, words=120):
+    return renderer.render_chat([{"role": "user", "content": "Summarise: " + " ".join(
+        f"item {k} is {'red' if k % 3 else 'blue'}." for k in range(words))}])
+
+
+def test_chunked_prefill_gives_the_unchunked_answers(hf_engine, renderer):
+    """Prompts of different lengths prefilled together in chunks of 64 tokens (so the left padding
+    spans chunks) get the same greedy tokens, choices and logprobs as in one forward pass."""
+    prompts = {"short": renderer.render_chat(QUESTION), "long": _long_prompt(renderer),
+               "mid": _long_prompt(renderer, 30)}
+    assert len(prompts["long"]) > 5 * 64 and len(prompts["short"]) < 64
+
+    def answers(chunk):
+        with _Recorder(hf_engine._model, chunk) as rec:
+            requests = [rec.request(name, ids, 12, n=2 if name == "mid" else 1, logprobs=2)
+                        for name, ids in prompts.items()]
+            for request in requests:
+                rec.batcher.submit(request)
+            rec.wait(*prompts)
+            steps = rec.batcher.steps
+            return {name: [(i, t, lp[0]) for _, (i, t, _, _, lp) in rec.events[name]] for name in prompts}, steps
+
+    whole, whole_steps = answers(-1)
+    chunked, chunked_steps = answers(64)
+    assert chunked_steps > whole_steps  # the prefill took several steps
+    for name in prompts:
+        assert [e[:2] for e in chunked[name]] == [e[:2] for e in whole[name]], name
+        assert [e[2] for e in chunked[name]] == pytest.approx([e[2] for e in whole[name]], abs=1e-3)
+
+
+def test_running_rows_decode_between_prefill_chunks(hf_engine, renderer):
+    """A long prompt arriving while a request decodes: with chunked prefill the running request
+    gets a token after every chunk; unchunked it gets none until the prefill is over."""
+    long = _long_prompt(renderer)
+
+    def tokens_during_prefill(chunk):
+        with _Recorder(hf_engine._model, chunk) as rec:
+            running = rec.request("running", renderer.render_chat(QUESTION), 200)
+            rec.batcher.submit(running)
+            while len(rec.events["running"]) < 3:
+                time.sleep(0.01)
+            rec.batcher.submit(rec.request("long", long, 2))
+            rec.wait("long")
+            first = rec.events["long"][0][0]  # the step that emitted the long prompt's first token
+            submitted = [s for s, _ in rec.events["running"]]
+            rec.batcher.cancel(running)
+            return sum(1 for s in submitted if s < first) - 3, first
+
+    unchunked, _ = tokens_during_prefill(-1)
+    chunked, _ = tokens_during_prefill(64)
+    chunks = -(-len(long) // 64)
+    assert unchunked <= 1  # at most the step that was running when it arrived
+    assert chunked >= chunks - 2
+
+
+def test_cancelled_request_leaves_a_chunked_prefill(hf_engine, renderer):
+    """Cancelling one of two prompts mid-prefill drops its rows: it gets nothing more and the other
+    answers as alone. Cancelling every prompt of a prefill drops it, and the batcher goes on."""
+    long, short = _long_prompt(renderer), renderer.render_chat(QUESTION)
+    with _Recorder(hf_engine._model, -1) as rec:
+        rec.batcher.submit(rec.request("alone", short, 8))
+        rec.wait("alone")
+        alone = rec.tokens("alone")
+
+    def after_steps(rec, steps):
+        target = rec.batcher.steps + steps
+        while rec.batcher.steps < target:
+            time.sleep(0.002)
+
+    with _Recorder(hf_engine._model, 32) as rec:
+        gone, kept = rec.request("gone", long, 8), rec.request("kept", short, 8)
+        rec.batcher.submit(gone)
+        rec.batcher.submit(kept)
+        after_steps(rec, 2)
+        assert rec.batcher.num_running == 2 and rec.events["gone"] == []  # both still being prefilled
+        rec.batcher.cancel(gone)
+        rec.wait("kept")
+        assert rec.tokens("kept") == alone
+        assert rec.events["gone"] == []
+
+        solo = rec.request("solo", long, 8)
+        rec.batcher.submit(solo)
+        after_steps(rec, 2)
+        rec.batcher.cancel(solo)
+        rec.batcher.submit(rec.request("after", short, 8))
+        rec.wait("after")
+        assert rec.tokens("after") == alone
+        assert rec.events["solo"] == [] and rec.batcher.num_running == 0
