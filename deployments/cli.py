@@ -207,16 +207,34 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
     `_drain_on_signals`, installed here unless `stop` comes from an earlier call), then drain:
     delete the applications, which lets every replica finish its in-flight requests (up to its
     `graceful_shutdown_timeout_s`, at most `LMSERVE_DRAIN_TIMEOUT_S`, default 300 s) while new
-    requests are refused, and shut Serve down. A second signal stops at once."""
+    requests are refused, and shut Serve down. A second signal stops at once.
+
+    Returns:
+        0 after a drain; 1 when the Ray cluster went away first (`ray stop`, a lost head node):
+        its GCS refused connections `CLUSTER_GONE_CHECKS` times in a row, checked every
+        `CLUSTER_CHECK_INTERVAL_S`, so a supervisor sees the server is down.
+    """
     import time
 
+    import ray
     from ray import serve
 
     if stop is None:
         stop = _drain_on_signals()
+    gcs_address = ray.get_runtime_context().gcs_address
+    misses, next_check = 0, time.monotonic() + CLUSTER_CHECK_INTERVAL_S
+    cluster_gone = False
     try:
         while not stop["signals"]:
             time.sleep(0.5)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + CLUSTER_CHECK_INTERVAL_S
+                misses = 0 if _gcs_reachable(gcs_address) else misses + 1
+                if misses >= CLUSTER_GONE_CHECKS:
+                    print(f"lmserve: the Ray cluster is gone (its GCS at {gcs_address} refuses "
+                          f"connections); exiting", file=sys.stderr)
+                    cluster_gone = True
+                    return 1
         print("lmserve: draining in-flight requests...", file=sys.stderr)
         for name in app_names:
             serve.delete(name, _blocking=False)
@@ -227,8 +245,25 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
     except KeyboardInterrupt:
         print("lmserve: second signal, stopping now", file=sys.stderr)
     finally:
-        serve.shutdown()
+        if not cluster_gone:  # nothing left to shut down; Serve's calls would wait for the GCS
+            serve.shutdown()
     return 0
+
+
+CLUSTER_CHECK_INTERVAL_S = 2.0
+CLUSTER_GONE_CHECKS = 3
+
+
+def _gcs_reachable(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether a TCP connection to the GCS at `address` ("host:port") opens (Ray's head node)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def _download(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
 from engines.server_process import free_port
 from engines.config import ConfigError, load_config_file, parse_overrides
@@ -127,18 +128,12 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.slow
-def test_serve_drains_streams_on_sigterm(tmp_path, model_dir):
-    import httpx
-    import json
-    import threading
-
-    port = free_port()
+def _serve_config(tmp_path, name: str) -> Path:
     config = tmp_path / "serve_config.yaml"
     config.write_text(f"""
-http_options: {{host: 127.0.0.1, port: {port}}}
+http_options: {{host: 127.0.0.1, port: {free_port()}}}
 applications:
-  - name: drain
+  - name: {name}
     route_prefix: /
     import_path: deployments.app:build_app
     args:
@@ -146,6 +141,46 @@ applications:
         - model_id: smollm2
           deployment: {{ray_actor_options: {{num_cpus: 1}}}}
 """)
+    return config
+
+
+@pytest.mark.slow
+def test_serve_exits_when_its_cluster_is_stopped(tmp_path, model_dir):
+    """`ray stop` (SIGTERM to the head's GCS and raylet) under a running `lmserve serve`: it says
+    so and exits 1 (it used to sleep on, serving nothing), without waiting for the model."""
+    import psutil
+
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(LMSERVE + ["serve", str(_serve_config(tmp_path, "gone"))], env=os.environ,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "SIGTERM or Ctrl-C drains" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "lmserve serve did not deploy in time"
+            time.sleep(0.5)
+        head = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() in ("gcs_server", "raylet")]
+        assert {p.name() for p in head} == {"gcs_server", "raylet"}
+        for p in head:
+            p.terminate()
+        assert proc.wait(90) == 1
+        assert "the Ray cluster is gone" in log.read_text()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what is left of that cluster
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+def test_serve_drains_streams_on_sigterm(tmp_path, model_dir):
+    import httpx
+    import json
+    import threading
+
+    config = _serve_config(tmp_path, "drain")
+    port = yaml.safe_load(config.read_text())["http_options"]["port"]
     proc = subprocess.Popen(LMSERVE + ["serve", str(config)], env=os.environ,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
