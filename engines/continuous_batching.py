@@ -279,7 +279,8 @@ class ContinuousBatcher:
     @property
     def num_running(self) -> int:
         """Requests admitted and not finished: with a row in the batch, or being prefilled."""
-        prefilling = self._prefilling.requests if self._prefilling is not None else []
+        job = self._prefilling  # read once: the worker thread may clear it meanwhile
+        prefilling = job.requests if job is not None else []
         return len({id(r.request) for r in self._rows if not r.done}
                    | {id(r) for r in prefilling if not r.cancelled})
 
@@ -395,9 +396,16 @@ class ContinuousBatcher:
         if first > 0:
             self._mask = self._mask[:, first:]
             if self._cache is not None:
+                width = self._mask.shape[1]
                 for layer in self._cache.layers:
-                    layer.keys = layer.keys[:, :, first:]
-                    layer.values = layer.values[:, :, first:]
+                    if getattr(layer, "is_sliding", False):
+                        # It holds only the last columns (sliding_window - 1 at most).
+                        keep = min(layer.keys.shape[2], width)
+                        layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
+                        layer.cumulative_length = width
+                    else:
+                        layer.keys = layer.keys[:, :, first:]
+                        layer.values = layer.values[:, :, first:]
 
     def _start_prefill(self, admitted: list[BatchRequest]) -> _Prefill:
         """The admitted prompts left-padded into one batch, not yet run."""
@@ -454,7 +462,6 @@ class ContinuousBatcher:
             if any(not r.done and r.generated for r in self._rows):
                 self._decode(events)
             return
-        self._prefilling = None
         repeat = torch.tensor([r.params.n for r in admitted], device=self.device)
         row_of = torch.repeat_interleave(torch.arange(len(admitted), device=self.device), repeat)
         logits = out.logits[:, -1, :].float().index_select(0, row_of)
@@ -474,6 +481,9 @@ class ContinuousBatcher:
         if old_rows and self.use_kv_cache:
             self._decode(events)
         self._merge(new_rows, new_cache, job.mask.index_select(0, row_of), tokens)
+        # Only now: until its rows are in the batch, a failure must still reach its requests
+        # (`_admitted_requests`), and `num_running` and `submit` must still see them.
+        self._prefilling = None
         for row, token, lp in zip(new_rows, tokens.tolist(), logprobs):
             self._record(row, token, events, lp)
 
@@ -483,8 +493,8 @@ class ContinuousBatcher:
             return
         width = max(self._mask.shape[1], mask.shape[1])
 
-        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = width - t.shape[dim]
+        def left_pad(t: torch.Tensor, dim: int, length: int = width) -> torch.Tensor:
+            missing = length - t.shape[dim]
             if missing == 0:
                 return t
             shape = list(t.shape)
@@ -494,8 +504,14 @@ class ContinuousBatcher:
         self._mask = torch.cat([left_pad(self._mask, 1), left_pad(mask, 1)], dim=0)
         if self._cache is not None:
             for old, new in zip(self._cache.layers, cache.layers):
-                old.keys = torch.cat([left_pad(old.keys, 2), left_pad(new.keys, 2)], dim=0)
-                old.values = torch.cat([left_pad(old.values, 2), left_pad(new.values, 2)], dim=0)
+                length = width
+                if getattr(old, "is_sliding", False):
+                    # A sliding-window layer holds only the last columns (sliding_window - 1 at
+                    # most), right-aligned like the mask's; it must count the merged width.
+                    length = min(width, old.sliding_window - 1)
+                    old.cumulative_length = width
+                old.keys = torch.cat([left_pad(old.keys, 2, length), left_pad(new.keys, 2, length)], dim=0)
+                old.values = torch.cat([left_pad(old.values, 2, length), left_pad(new.values, 2, length)], dim=0)
         self._rows = self._rows + rows
         self._next_tokens = torch.cat([self._next_tokens, tokens])
 

@@ -1,6 +1,7 @@
 """The continuous batcher on a tiny random-weight model with a sliding-window KV cache (fast, offline)."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -74,3 +75,56 @@ def test_chunked_prefill_over_a_sliding_window_matches_one_pass_and_generate(sli
         generated = sliding_window_model.generate(torch.tensor([_prompt(k, length)]), max_new_tokens=20,
                                                   do_sample=False)
         assert generated[0, length:].tolist() == [t for t, _ in whole[k]], k
+
+
+@pytest.mark.parametrize("chunked_prefill_size", [-1, 8])
+def test_requests_join_and_leave_a_running_batch_beyond_the_window(sliding_window_model, chunked_prefill_size):
+    """Over a sliding-window KV cache, requests that join a running batch (merging their cache
+    with the batch's), and one that joins after another left it (trimming padding columns), all
+    longer than the window, get the greedy tokens they get alone."""
+    specs = {"a": (0, 40, 30), "b": (1, 13, 40), "c": (2, 27, 12)}  # name: (seed, prompt length, max tokens)
+
+    def run(schedule):
+        batcher = ContinuousBatcher(sliding_window_model, chunked_prefill_size=chunked_prefill_size)
+        out = {name: [] for name in specs}
+        finished = {name: threading.Event() for name in specs}
+
+        def request(name):
+            seed, length, max_tokens = specs[name]
+
+            def emit(items):
+                if isinstance(items, BaseException):
+                    out[name].append(items)
+                    finished[name].set()
+                    return
+                out[name].extend(token for _, token, _, _, _ in items)
+                if any(finish for _, _, finish, _, _ in items):
+                    finished[name].set()
+
+            return BatchRequest(name, _prompt(seed, length), SamplingParams(temperature=0, ignore_eos=True),
+                                max_tokens, set(), torch.Generator(), emit)
+
+        batcher.start()
+        try:
+            schedule(batcher, request, out, finished)
+            for name in specs:
+                assert finished[name].wait(60), name
+        finally:
+            batcher.stop()
+        return out
+
+    def alone(batcher, request, out, finished):
+        for name in specs:
+            batcher.submit(request(name))
+            finished[name].wait(60)
+
+    def overlapping(batcher, request, out, finished):
+        batcher.submit(request("a"))
+        while len(out["a"]) < 3:
+            time.sleep(0.001)
+        batcher.submit(request("b"))  # joins while a decodes
+        finished["a"].wait(60)
+        batcher.submit(request("c"))  # joins after a left, b still decoding
+        assert not finished["b"].is_set()
+
+    assert run(overlapping) == run(alone)

@@ -494,3 +494,80 @@ def test_cancelled_request_leaves_a_chunked_prefill(hf_engine, renderer):
         rec.wait("after")
         assert rec.tokens("after") == alone
         assert rec.events["solo"] == [] and rec.batcher.num_running == 0
+
+
+class _HookedModel:
+    """The real model, calling `hook(input_ids, attention_mask)` before each of its forward passes
+    (it may raise, to fail that pass)."""
+
+    def __init__(self, model, hook):
+        self.model, self.device, self.hook = model, model.device, hook
+
+    def __call__(self, **inputs):
+        self.hook(inputs["input_ids"], inputs["attention_mask"])
+        return self.model(**inputs)
+
+
+def _after_last_chunk(width, action):
+    """A hook that runs `action()` on the decode pass right after a prefill chunk that ends at
+    column `width` (the last chunk of a lone prompt of `width` tokens), once `armed` is set."""
+    state = {"last_chunk": False, "armed": False}
+
+    def hook(ids, mask):
+        follows_last_chunk = state["last_chunk"]
+        state["last_chunk"] = ids.shape[1] > 1 and mask.shape[1] == width
+        if state["armed"] and follows_last_chunk and ids.shape[1] == 1:
+            state["armed"] = False
+            action()
+
+    return hook, state
+
+
+def test_failure_in_the_last_prefill_step_fails_the_prefilled_request(hf_engine, renderer):
+    """A forward pass failing in the step of a chunked prefill's last chunk (the running rows'
+    decode after it) fails the prefilled request as well as the running one: none is left
+    without an answer, and the batcher serves the next request."""
+    long, short = _long_prompt(renderer, 30), renderer.render_chat(QUESTION)
+
+    def fail():
+        raise RuntimeError("forward pass failed")
+
+    hook, state = _after_last_chunk(len(long), fail)
+    with _Recorder(_HookedModel(hf_engine._model, hook), 64) as rec:
+        running = rec.request("running", short, 200)
+        rec.batcher.submit(running)
+        while len(rec.events["running"]) < 3:
+            time.sleep(0.01)
+        state["armed"] = True
+        rec.batcher.submit(rec.request("long", long, 4))
+        assert rec.finished["long"].wait(30), "the prefilled request got neither tokens nor an error"
+        rec.wait("running")
+        assert not state["armed"]  # the failure happened where intended
+        for name in ("running", "long"):
+            assert isinstance(rec.events[name][-1][1], RuntimeError), name
+        deadline = time.monotonic() + 5  # the batch is emptied right after the errors are sent
+        while rec.batcher.num_running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rec.batcher.num_running == 0
+        rec.batcher.submit(rec.request("after", short, 4))
+        rec.wait("after")
+        assert len(rec.tokens("after")) == 4
+
+
+def test_num_running_counts_a_prefill_through_its_last_step(hf_engine, renderer):
+    """While the running rows decode in the step of a chunked prefill's last chunk, the prefilled
+    request (not yet merged into the batch) still counts as running."""
+    long, short = _long_prompt(renderer, 30), renderer.render_chat(QUESTION)
+    seen = []
+    hook, state = _after_last_chunk(len(long), lambda: seen.append((rec.batcher.num_running,
+                                                                     rec.batcher.num_waiting)))
+    with _Recorder(_HookedModel(hf_engine._model, hook), 64) as rec:
+        running = rec.request("running", short, 200)
+        rec.batcher.submit(running)
+        while len(rec.events["running"]) < 3:
+            time.sleep(0.01)
+        state["armed"] = True
+        rec.batcher.submit(rec.request("long", long, 4))
+        rec.wait("long")
+        rec.batcher.cancel(running)
+    assert seen == [(2, 0)]
