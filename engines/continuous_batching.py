@@ -202,6 +202,10 @@ class ContinuousBatcher:
         self.device = model.device
         # A peft model takes one adapter name per row ("__base__" = no adapter).
         self._mixed_adapters = hasattr(model, "peft_config")
+        # Prefill passes compute logits for the last column only where the model takes
+        # `logits_to_keep` (as transformers' `generate` does): the LM head over every prompt
+        # position was 15-24 % of a prefill of SmolLM2-135M (49152-token vocabulary) on CPU.
+        self._last_logits = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.use_kv_cache = use_kv_cache
@@ -456,7 +460,7 @@ class ContinuousBatcher:
         media = admitted[0].model_inputs or {}  # only set when it was admitted alone
         out = self.model(input_ids=job.ids[:, start:end], attention_mask=job.mask[:, :end],
                          position_ids=job.positions[:, start:end], past_key_values=job.cache,
-                         use_cache=self.use_kv_cache, **media, **self._adapter_kwargs(admitted))
+                         use_cache=self.use_kv_cache, **media, **self._adapter_kwargs(admitted), **self._last_logits)
         job.cache, job.done = out.past_key_values if self.use_kv_cache else None, end
         if end < job.width:
             if any(not r.done and r.generated for r in self._rows):
@@ -537,7 +541,7 @@ class ContinuousBatcher:
     def _full_forward(self, row: _Row) -> torch.Tensor:
         ids = torch.tensor([row.request.prompt_ids + row.generated], device=self.device)
         return self.model(input_ids=ids, use_cache=False, **(row.request.model_inputs or {}),
-                          **self._adapter_kwargs([row.request])).logits[:, -1, :].float()
+                          **self._adapter_kwargs([row.request]), **self._last_logits).logits[:, -1, :].float()
 
     def _adapter_kwargs(self, requests: list[BatchRequest]) -> dict:
         if not self._mixed_adapters:
@@ -620,6 +624,14 @@ class ContinuousBatcher:
             scores = MinPLogitsWarper(p.min_p)(dummy_ids, scores)
         probs = torch.softmax(scores, dim=-1)
         return torch.multinomial(probs, 1, generator=row.request.generator)[0, 0]
+
+
+def supports_logits_to_keep(model: Any) -> bool:
+    """Whether `model`'s forward takes `logits_to_keep` (a peft model: its base model's), as
+    transformers' `GenerationMixin._supports_logits_to_keep` decides for `generate`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check = getattr(base, "_supports_logits_to_keep", None)
+    return bool(check()) if callable(check) else False
 
 
 def _has_penalties(p: SamplingParams) -> bool:

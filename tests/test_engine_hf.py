@@ -137,6 +137,21 @@ def test_closing_the_stream_stops_generation(hf_engine, renderer):
     assert "Paris" in text_of(generate(hf_engine, renderer.render_chat(QUESTION), temperature=0, max_tokens=16))
 
 
+def test_prefill_computes_the_last_positions_logits_only(hf_engine, renderer):
+    """Prefill passes ask for the last column's logits only (`logits_to_keep=1`, as transformers'
+    `generate`), and the first token's logprobs are those of the full logits."""
+    import torch
+
+    assert hf_engine._batcher._last_logits == {"logits_to_keep": 1}
+    ids = renderer.render_chat(QUESTION)
+    deltas = generate(hf_engine, ids, temperature=0, max_tokens=1, logprobs=0)
+    with torch.inference_mode():
+        full = torch.log_softmax(hf_engine._model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+    first = deltas[0].logprobs[0]
+    assert first.token_id == int(full.argmax())
+    assert first.logprob == pytest.approx(float(full.max()), abs=1e-4)
+
+
 def test_concurrent_requests_share_forward_passes(hf_engine, renderer):
     """Continuous batching: 4 concurrent 20-token requests take about 20 steps, not 80."""
     ids = [renderer.render_chat([{"role": "user", "content": f"Tell me about the number {k}."}]) for k in range(4)]
@@ -213,6 +228,7 @@ def test_lora_adapters_mix_in_one_batch(model_dir, lora_dir, renderer, hf_engine
         def one(lora):
             return GenerationRequest("l", ids, SamplingParams(temperature=0, max_tokens=16), lora_name=lora)
 
+        assert engine._batcher._last_logits == {"logits_to_keep": 1}  # through peft to the base model
         base = text_of(run(collect(engine, one(None))))
         tuned = text_of(run(collect(engine, one("sft-lora"))))
         assert base == base_alone and tuned != base

@@ -87,6 +87,7 @@ def text_of(deltas, index=0):
 
 
 def test_the_image_reaches_the_model(vlm_engine, vlm_renderer):
+    assert vlm_engine._batcher._last_logits == {"logits_to_keep": 1}  # LLaVA takes it too
     red, blue = text_of(greedy(vlm_engine, vlm_renderer, [RED])), text_of(greedy(vlm_engine, vlm_renderer, [BLUE]))
     assert red != blue
     assert text_of(greedy(vlm_engine, vlm_renderer, [RED])) == red  # deterministic
