@@ -247,15 +247,20 @@ class ContinuousBatcher:
         return self._thread.is_alive() and not self._stopped
 
     def submit(self, request: BatchRequest) -> None:
+        """Queue `request`; after `stop`, fail it at once (its `emit` gets the error)."""
         request.arrival_time = now = time.monotonic()
         with self._wake:
-            if (self._idle_start is not None and not self._idle_start_had_company
-                    and now - self._idle_start <= self.batch_wait_timeout_s):
-                self._idle_start_had_company, self._lone_idle_starts = True, 0
-            if not self._waiting and self._prefilling is None and all(r.done for r in self._rows):
-                self._note_idle_start(now)
-            self._waiting.append(request)
-            self._wake.notify_all()
+            stopped = self._stopped
+            if not stopped:
+                if (self._idle_start is not None and not self._idle_start_had_company
+                        and now - self._idle_start <= self.batch_wait_timeout_s):
+                    self._idle_start_had_company, self._lone_idle_starts = True, 0
+                if not self._waiting and self._prefilling is None and all(r.done for r in self._rows):
+                    self._note_idle_start(now)
+                self._waiting.append(request)
+                self._wake.notify_all()
+        if stopped:
+            request.emit(RuntimeError("engine shut down"))
 
     def _note_idle_start(self, now: float) -> None:
         """A request reached an idle engine: count the previous idle start if it was lone."""

@@ -128,3 +128,15 @@ def test_requests_join_and_leave_a_running_batch_beyond_the_window(sliding_windo
         assert not finished["b"].is_set()
 
     assert run(overlapping) == run(alone)
+
+
+def test_a_request_submitted_after_stop_fails_at_once(sliding_window_model):
+    """After `stop`, `submit` hands the request its error instead of queueing it for no one."""
+    batcher = ContinuousBatcher(sliding_window_model)
+    batcher.start()
+    batcher.stop()
+    got = []
+    batcher.submit(BatchRequest("late", _prompt(0, 5), SamplingParams(temperature=0), 4, set(), torch.Generator(),
+                                got.append))
+    assert len(got) == 1 and isinstance(got[0], RuntimeError) and "shut down" in str(got[0])
+    assert batcher.num_waiting == 0
