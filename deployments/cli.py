@@ -7,7 +7,8 @@
     lmserve batch CONFIG.yaml --dataset FILE  offline generation on Ray Data (like vllm_infer.py)
     lmserve serve [CONFIG]                    run a Ray Serve config (default serve_config.yaml)
     lmserve download [NAME]                   fetch and convert a model into the cache
-    lmserve check [CONFIG]                    validate a serve config's models
+    lmserve check [CONFIG] [key=value ...]    validate a serve config's models, or a LLaMA-Factory
+                                              inference YAML with its overrides
     lmserve render-k8s                        copy serve_config.yaml into k8s/rayservice.yaml's
                                               serveConfigV2 (--check: only say if they differ)
 """
@@ -274,14 +275,26 @@ def _download(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    """Validate a Ray Serve config's models, or a LLaMA-Factory inference YAML (a file without
+    `applications`) with its `key=value` overrides, as `serve` and `api` would load them."""
     from deployments.app import parse_args
     from engines.config import ConfigError
 
     doc = _read_yaml(args.config)
     if not isinstance(doc, dict):
-        raise ConfigError(f"{args.config}: expected a Ray Serve config (a mapping with `applications`)")
+        raise ConfigError(f"{args.config}: expected a Ray Serve config (a mapping with `applications`) "
+                          f"or a LLaMA-Factory inference YAML (a mapping of engine fields)")
+    if "applications" not in doc:
+        cfg = load_config_file(args.config, args.overrides)
+        print(f"{args.config}: {cfg.model_name_or_path} ({cfg.infer_backend})")
+        return 0
+    if args.overrides:
+        raise ConfigError(f"{args.config}: key=value overrides apply to LLaMA-Factory inference YAMLs, "
+                          f"not to a Ray Serve config")
+    if not isinstance(doc["applications"], list):
+        raise ConfigError(f"{args.config}: `applications` must be a list of applications")
     try:
-        for app in doc.get("applications", []):
+        for app in doc["applications"]:
             _, configs = parse_args(app.get("args", {}))
             for model_id, cfg in configs.items():
                 print(f"{app.get('name')}: {model_id} -> {cfg.model_name_or_path} ({cfg.infer_backend})")
@@ -343,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("download", help="fetch and convert a model into $LMSERVE_HOME (default: smollm2)")
     p.add_argument("name", nargs="?", default="smollm2")
     p.set_defaults(func=_download)
-    p = sub.add_parser("check", help="validate the models of a serve config")
+    p = sub.add_parser("check", help="validate the models of a serve config, or a LLaMA-Factory inference YAML")
     p.add_argument("config", nargs="?", default="serve_config.yaml")
+    p.add_argument("overrides", nargs="*", help="key=value (LLaMA-Factory inference YAMLs only)")
     p.set_defaults(func=_check)
     p = sub.add_parser("render-k8s", help="copy a serve config into a RayService manifest's serveConfigV2")
     p.add_argument("--config", default="serve_config.yaml")

@@ -386,6 +386,6 @@ def format_validation_error(exc: ValidationError, source: str | None = None, wha
         elif err["type"] == "extra_forbidden":
             lines.append(f"unknown field {field!r}")
         else:
-            lines.append(f"field {field!r}: {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"field {field!r}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
     prefix = f"{source}: " if source else ""
     return f"{prefix}invalid {what}: " + "; ".join(lines)

@@ -67,6 +67,28 @@ def test_a_serve_config_that_is_not_yaml_or_not_a_serve_config_is_exit_2(tmp_pat
     assert proc.returncode == 2 and "applications" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_check_validates_llamafactory_yamls_with_overrides_and_serve_configs(tmp_path, lf_config):
+    def check(*args):
+        proc = subprocess.run(LMSERVE + ["check", *map(str, args)], capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in proc.stderr
+        return proc.returncode, proc.stdout + proc.stderr
+
+    assert check(lf_config) == (0, f"{lf_config}: smollm2 (huggingface)\n")
+    code, out = check(lf_config, "hf_chunked_prefill_size=0")
+    assert code == 2 and "field 'hf_chunked_prefill_size': must be at least 1, or -1" in out
+    bad = tmp_path / "bad_lf.yaml"
+    bad.write_text(LF_YAML + "hf_chunked_prefill_size: abc\n")
+    code, out = check(bad)  # a LLaMA-Factory YAML was not checked at all (exit 0)
+    assert code == 2 and "hf_chunked_prefill_size" in out and "valid integer" in out
+    serve_config = Path(__file__).resolve().parents[1] / "serve_config.yaml"
+    assert check(serve_config)[0] == 0
+    code, out = check(serve_config, "temperature=0")
+    assert code == 2 and "overrides apply to LLaMA-Factory inference YAMLs" in out
+    bad.write_text("applications: 5\n")
+    code, out = check(bad)
+    assert code == 2 and "`applications` must be a list" in out
+
+
 def test_clusters_start_in_ray_serve_high_throughput_mode_unless_the_environment_says_otherwise():
     from deployments.constants import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
 
