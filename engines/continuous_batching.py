@@ -361,7 +361,7 @@ class ContinuousBatcher:
                 self._prefilling = self._start_prefill(admitted)
         if self._prefilling is not None and self._drop_cancelled_prompts(self._prefilling):
             self._prefill_chunk(self._prefilling, events)
-        elif any(not r.done and r.generated for r in self._rows):
+        elif self._has_decoding_rows():
             self._decode(events)
         for request, items in events.values():
             request.emit(items)
@@ -416,6 +416,10 @@ class ContinuousBatcher:
                         layer.keys = layer.keys[:, :, first:]
                         layer.values = layer.values[:, :, first:]
 
+    def _has_decoding_rows(self) -> bool:
+        """Whether a row of the batch has produced a token and is not done."""
+        return any(not r.done and r.generated for r in self._rows)
+
     def _start_prefill(self, admitted: list[BatchRequest]) -> _Prefill:
         """The admitted prompts left-padded into one batch, not yet run."""
         width = max(len(r.prompt_ids) for r in admitted)
@@ -468,7 +472,7 @@ class ContinuousBatcher:
                          use_cache=self.use_kv_cache, **media, **self._adapter_kwargs(admitted), **self._last_logits)
         job.cache, job.done = out.past_key_values if self.use_kv_cache else None, end
         if end < job.width:
-            if any(not r.done and r.generated for r in self._rows):
+            if self._has_decoding_rows():
                 self._decode(events)
             return
         repeat = torch.tensor([r.params.n for r in admitted], device=self.device)
@@ -485,9 +489,8 @@ class ContinuousBatcher:
                 new_cache.batch_select_indices(row_of)
         tokens = self._sample(new_rows, logits)
         logprobs = self._logprobs(new_rows, logits, tokens)
-        old_rows = [r for r in self._rows if r.generated]
         # Decode the running rows now too, so a stream of arrivals cannot starve them.
-        if old_rows and self.use_kv_cache:
+        if self.use_kv_cache and self._has_decoding_rows():
             self._decode(events)
         self._merge(new_rows, new_cache, job.mask.index_select(0, row_of), tokens)
         # Only now: until its rows are in the batch, a failure must still reach its requests

@@ -414,6 +414,14 @@ class _Recorder:
         params = SamplingParams(temperature=0, ignore_eos=True, n=n, logprobs=logprobs)
         return BatchRequest(name, ids, params, max_tokens, set(), torch.Generator(), emit)
 
+    def start_decoding(self, name, ids, max_tokens, tokens=3):
+        """Submit a greedy request and return it once it has produced `tokens` tokens."""
+        request = self.request(name, ids, max_tokens)
+        self.batcher.submit(request)
+        while len(self.events[name]) < tokens:
+            time.sleep(0.01)
+        return request
+
     def wait(self, *names):
         for name in names:
             assert self.finished[name].wait(120), f"{name} did not finish"
@@ -459,10 +467,7 @@ def test_running_rows_decode_between_prefill_chunks(hf_engine, renderer):
 
     def tokens_during_prefill(chunk):
         with _Recorder(hf_engine._model, chunk) as rec:
-            running = rec.request("running", renderer.render_chat(QUESTION), 200)
-            rec.batcher.submit(running)
-            while len(rec.events["running"]) < 3:
-                time.sleep(0.01)
+            running = rec.start_decoding("running", renderer.render_chat(QUESTION), 200)
             rec.batcher.submit(rec.request("long", long, 2))
             rec.wait("long")
             first = rec.events["long"][0][0]  # the step that emitted the long prompt's first token
@@ -550,10 +555,7 @@ def test_failure_in_the_last_prefill_step_fails_the_prefilled_request(hf_engine,
 
     hook, state = _after_last_chunk(len(long), fail)
     with _Recorder(_HookedModel(hf_engine._model, hook), 64) as rec:
-        running = rec.request("running", short, 200)
-        rec.batcher.submit(running)
-        while len(rec.events["running"]) < 3:
-            time.sleep(0.01)
+        rec.start_decoding("running", short, 200)
         state["armed"] = True
         rec.batcher.submit(rec.request("long", long, 4))
         assert rec.finished["long"].wait(30), "the prefilled request got neither tokens nor an error"
@@ -578,10 +580,7 @@ def test_num_running_counts_a_prefill_through_its_last_step(hf_engine, renderer)
     hook, state = _after_last_chunk(len(long), lambda: seen.append((rec.batcher.num_running,
                                                                      rec.batcher.num_waiting)))
     with _Recorder(_HookedModel(hf_engine._model, hook), 64) as rec:
-        running = rec.request("running", short, 200)
-        rec.batcher.submit(running)
-        while len(rec.events["running"]) < 3:
-            time.sleep(0.01)
+        running = rec.start_decoding("running", short, 200)
         state["armed"] = True
         rec.batcher.submit(rec.request("long", long, 4))
         rec.wait("long")
