@@ -90,6 +90,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus top k
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
+    # token id -> bias in [-100, 100], added to that token's logit before penalties and sampling
+    # (greedy too), as OpenAI's `logit_bias`; None or empty: no bias
+    logit_bias: dict[int, float] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -224,8 +227,8 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
 
     Raises:
         InvalidRequestError: the prompt and `max_tokens` do not fit `max_model_len`
-            (`resolve_max_tokens`), a stop token id is not a token of the model, or the LoRA
-            adapter is not one of `config.lora_adapters` (param `model`).
+            (`resolve_max_tokens`), a stop token id or a `logit_bias` token id is not a token of
+            the model, or the LoRA adapter is not one of `config.lora_adapters` (param `model`).
     """
     params = request.sampling_params.resolve_defaults(
         do_sample=config.do_sample, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
@@ -233,10 +236,17 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
     )
     max_tokens = resolve_max_tokens(len(request.prompt_token_ids), params.max_tokens, config.max_new_tokens,
                                     max_model_len)
+    bound = vocab_size if vocab_size is not None else 1 << 62
     for tid in params.stop_token_ids:
-        if not 0 <= tid < (vocab_size if vocab_size is not None else 1 << 62):
+        if not 0 <= tid < bound:
             raise InvalidRequestError(f"stop_token_ids: {tid} is not a token id of this model",
                                       param="stop_token_ids")
+    # Checked as vLLM (`SamplingParams._validate_logit_bias`) and SGLang (`verify`) do: the ids
+    # index the logits row, whose width is the vocabulary size.
+    outside = sorted(tid for tid in params.logit_bias or {} if not 0 <= tid < bound)
+    if outside:
+        raise InvalidRequestError(f"logit_bias: token id(s) {outside[:10]} are out of this model's vocabulary "
+                                  f"(size {vocab_size})", param="logit_bias")
     if request.lora_name is not None and request.lora_name not in config.lora_adapters:
         raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
                                   f"{sorted(config.lora_adapters)}", param="model")
@@ -255,6 +265,7 @@ class Capabilities:
     logprobs: bool = False
     presence_frequency_penalty: bool = True
     min_p: bool = True
+    logit_bias: bool = True
     lora: bool = False
     response_format: bool = False  # json_object / json_schema (constrained decoding)
     forced_tool_choice: bool = False  # tool_choice "required" or a named function
