@@ -25,7 +25,7 @@ forward pass differs per architecture; its rows then join the batch and decode l
 New requests thus join between decode steps, as in vLLM's scheduler; each request still gets
 its tokens as they are produced through its `emit` callback. Sampling follows transformers'
 logits processors (repetition penalty, temperature, top-k, top-p, min-p) plus OpenAI's presence
-and frequency penalties.
+and frequency penalties and `logit_bias` (added first, as vLLM does).
 """
 
 from __future__ import annotations
@@ -594,7 +594,11 @@ class ContinuousBatcher:
     # ---- sampling -------------------------------------------------------------------------
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
-        """Next token per row; `logits` shape `[rows, vocab]` (float32)."""
+        """Next token per row; `logits` shape `[rows, vocab]` (float32), left unchanged (the
+        caller reports logprobs from them)."""
+        # The bias comes first, before penalties and warpers and for greedy rows too, as vLLM
+        # applies it (a logits processor that is not argmax-invariant, then the penalties).
+        logits = _with_logit_bias(rows, logits)
         plain_greedy = all(r.request.params.greedy and not _has_penalties(r.request.params) for r in rows)
         if plain_greedy:
             return logits.argmax(dim=-1)
@@ -640,6 +644,20 @@ def supports_logits_to_keep(model: Any) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     check = getattr(base, "_supports_logits_to_keep", None)
     return bool(check()) if callable(check) else False
+
+
+def _with_logit_bias(rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+    """`logits` (`[rows, vocab]`) plus each row's `logit_bias` at its token ids, as a new tensor;
+    `logits` itself when no row has a bias. Token ids were checked against the vocabulary
+    (`prepare_generation`)."""
+    biased = [(i, r.request.params.logit_bias) for i, r in enumerate(rows) if r.request.params.logit_bias]
+    if not biased:
+        return logits
+    row_ids = [i for i, bias in biased for _ in bias]
+    token_ids = [tid for _, bias in biased for tid in bias]
+    values = [v for _, bias in biased for v in bias.values()]
+    index = (torch.tensor(row_ids, device=logits.device), torch.tensor(token_ids, device=logits.device))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
 
 
 def _has_penalties(p: SamplingParams) -> bool:

@@ -186,6 +186,58 @@ def test_mixed_sampling_params_in_one_batch(hf_engine, renderer):
     assert finish_of(min_p)
 
 
+def token_ids_of(deltas, index=0):
+    return [t.token_id for d in deltas if d.index == index for t in d.logprobs or []]
+
+
+def test_logit_bias_plus_100_forces_a_token_greedy_and_sampled(hf_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+    forced = renderer.tokenizer.encode(" banana")[0]  # nowhere near the model's answer
+    for params in (dict(temperature=0), dict(temperature=1.0, top_p=1.0, seed=3)):
+        deltas = generate(hf_engine, ids, max_tokens=4, logprobs=0, logit_bias={forced: 100.0}, **params)
+        assert token_ids_of(deltas) == [forced] * 4, params
+        assert text_of(deltas) == renderer.tokenizer.decode([forced] * 4) and finish_of(deltas) == ["length"]
+        # logprobs are the model's own, before the bias (vLLM's default)
+        assert deltas[0].logprobs[0].logprob < -5
+
+
+def test_logit_bias_minus_100_bans_the_greedy_first_token(hf_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+    plain = generate(hf_engine, ids, temperature=0, max_tokens=4, logprobs=2)
+    first, runner_up = [t.token_id for t in plain[0].logprobs[0].top_logprobs]
+    banned = token_ids_of(generate(hf_engine, ids, temperature=0, max_tokens=4, logprobs=0,
+                                   logit_bias={first: -100.0}))
+    assert token_ids_of(plain)[0] == first
+    assert banned[0] == runner_up and first not in banned
+
+
+def test_logit_bias_applies_to_its_own_rows_in_a_shared_batch(hf_engine, renderer):
+    """Biased greedy and sampled requests batched with a plain greedy one: each gets its own
+    answer (the bias goes to the biased rows only)."""
+    ids = renderer.render_chat(QUESTION)
+    alone = text_of(generate(hf_engine, ids, temperature=0, max_tokens=12))
+    forced = renderer.tokenizer.encode(" banana")[0]
+
+    async def together():
+        reqs = [GenerationRequest("plain", ids, SamplingParams(temperature=0, max_tokens=12)),
+                GenerationRequest("greedy", ids, SamplingParams(temperature=0, max_tokens=3, logprobs=0,
+                                                                logit_bias={forced: 100.0})),
+                GenerationRequest("sampled", ids, SamplingParams(temperature=1.0, max_tokens=3, n=2, logprobs=0,
+                                                                 logit_bias={forced: 100.0}))]
+        return await asyncio.gather(*(collect(hf_engine, r) for r in reqs))
+
+    plain, greedy, sampled = run(together())
+    assert text_of(plain) == alone and "Paris" in alone
+    assert token_ids_of(greedy) == token_ids_of(sampled, 0) == token_ids_of(sampled, 1) == [forced] * 3
+
+
+def test_logit_bias_token_id_outside_the_vocabulary_is_refused(hf_engine, renderer):
+    vocab = hf_engine._model.get_output_embeddings().weight.shape[0]
+    with pytest.raises(InvalidRequestError, match=f"size {vocab}") as info:
+        generate(hf_engine, renderer.render_chat(QUESTION), max_tokens=2, logit_bias={vocab: 1.0})
+    assert info.value.param == "logit_bias"
+
+
 def test_batch_limit_queues_requests(model_dir, renderer):
     """With room for 2 sequences, 4 requests wait their turn and all complete correctly."""
     from engines.config import EngineConfig
