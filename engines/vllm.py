@@ -121,6 +121,7 @@ def sampling_arguments(params: SamplingParams, max_tokens: int) -> dict[str, Any
     `temperature: 0` is greedy in both; `top_k: 0` means no top-k in both; penalties use the same
     semantics (repetition over prompt and output, presence/frequency over the output, OpenAI's).
     A JSON constraint (`structured_output`) becomes `structured_outputs` (`structured_outputs_params`).
+    `logit_bias` goes as it is (token id -> bias; vLLM adds it before penalties, greedy too).
     """
     args = {
         "n": params.n,
@@ -138,6 +139,7 @@ def sampling_arguments(params: SamplingParams, max_tokens: int) -> dict[str, Any
         "max_tokens": max_tokens,
         "logprobs": params.logprobs,
         "skip_special_tokens": params.skip_special_tokens,
+        "logit_bias": dict(params.logit_bias) if params.logit_bias else None,
     }
     if params.structured_output is not None:
         args["structured_outputs"] = structured_outputs_params(params.structured_output)

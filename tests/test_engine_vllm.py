@@ -154,6 +154,37 @@ def test_logprobs_come_with_each_token(vllm_engine, renderer):
             assert lp.token_id == lp.top_logprobs[0].token_id
 
 
+def token_ids_of(deltas, index=0):
+    return [t.token_id for d in deltas if d.index == index for t in d.logprobs or []]
+
+
+def test_logit_bias_plus_100_forces_a_token_greedy_and_sampled(vllm_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+    forced = renderer.tokenizer.encode(" banana")[0]
+    for params in (dict(temperature=0), dict(temperature=1.0, top_p=1.0, seed=3)):
+        deltas = generate(vllm_engine, ids, max_tokens=4, logprobs=0, logit_bias={forced: 100.0}, **params)
+        assert token_ids_of(deltas) == [forced] * 4, params
+        assert finish_of(deltas) == ["length"]
+        assert deltas[0].logprobs[0].logprob < -5  # vLLM's logprobs are the raw ones, before the bias
+
+
+def test_logit_bias_minus_100_bans_the_greedy_first_token_as_on_huggingface(vllm_engine, hf_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+    plain = generate(vllm_engine, ids, temperature=0, max_tokens=4, logprobs=2)
+    first, runner_up = [t.token_id for t in plain[0].logprobs[0].top_logprobs]
+    bias = {first: -100.0}
+    banned = generate(vllm_engine, ids, temperature=0, max_tokens=8, logprobs=0, logit_bias=bias)
+    assert token_ids_of(banned)[0] == runner_up and first not in token_ids_of(banned)
+    hf = generate(hf_engine, ids, temperature=0, max_tokens=8, logprobs=0, logit_bias=bias)
+    assert token_ids_of(banned) == token_ids_of(hf) and text_of(banned) == text_of(hf)
+
+
+def test_logit_bias_token_id_outside_the_vocabulary_is_refused(vllm_engine, renderer):
+    with pytest.raises(InvalidRequestError, match="size 49152") as info:
+        generate(vllm_engine, renderer.render_chat(QUESTION), max_tokens=2, logit_bias={49152: 1.0})
+    assert info.value.param == "logit_bias"
+
+
 def test_json_constraints_map_to_vllm_structured_outputs():
     from vllm.sampling_params import StructuredOutputsParams
 
