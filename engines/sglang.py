@@ -156,9 +156,14 @@ def sampling_params_payload(params: SamplingParams, max_tokens: int) -> dict[str
     """SGLang `sampling_params` (`sampling/sampling_params.py` names) for resolved lmserve params.
 
     `max_tokens` -> `max_new_tokens`; `top_k` 0/None -> -1 (SGLang's "off"); `temperature: 0` is
-    greedy in both. `seed` is not sent (the backend declares no seed support).
+    greedy in both. `seed` is not sent (the backend declares no seed support). `logit_bias` is
+    sent only when set, with string keys (`{"50256": -100.0}`): SGLang's `logit_bias` is a
+    `Dict[str, float]` that it checks against the vocabulary (`verify`) and adds to the logits
+    before sampling, greedy too (`SamplingBatchInfo.apply_logits_bias`). SGLang adds it after
+    its penalties where vLLM and the huggingface backend add it before; the two orders differ
+    only with a `repetition_penalty` (the other penalties are added too).
     """
-    return {
+    payload = {
         "max_new_tokens": max_tokens,
         "n": params.n,
         "temperature": params.temperature,
@@ -173,6 +178,9 @@ def sampling_params_payload(params: SamplingParams, max_tokens: int) -> dict[str
         "ignore_eos": params.ignore_eos,
         "skip_special_tokens": params.skip_special_tokens,
     }
+    if params.logit_bias:
+        payload["logit_bias"] = {str(tid): bias for tid, bias in params.logit_bias.items()}
+    return payload
 
 
 def generate_payload(rid: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,

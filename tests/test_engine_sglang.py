@@ -126,6 +126,32 @@ def test_logprobs_agree_with_huggingface(hf_engine, sglang_engine, renderer):
         assert [t.token_id for t in s.top_logprobs] == [t.token_id for t in h.top_logprobs]
 
 
+def test_logit_bias_forces_and_bans_tokens_as_on_huggingface(hf_engine, sglang_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+    forced = renderer.tokenizer.encode(" banana")[0]
+    hf, sg = both(hf_engine, sglang_engine, ids, temperature=0, max_tokens=4, logprobs=0, logit_bias={forced: 100.0})
+    assert [t.token_id for d in sg for t in d.logprobs] == [forced] * 4 and text_of(sg) == text_of(hf)
+    plain = srun(collect(sglang_engine, GenerationRequest("p", ids, SamplingParams(temperature=0, max_tokens=1,
+                                                                                   logprobs=0))))
+    first = plain[0].logprobs[0].token_id
+    hf, sg = both(hf_engine, sglang_engine, ids, temperature=0, max_tokens=6, logprobs=0, logit_bias={first: -100.0})
+    assert sg[0].logprobs[0].token_id != first and text_of(sg) == text_of(hf)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_before_sending_and_by_the_server(sglang_engine):
+    with pytest.raises(InvalidRequestError) as info:
+        srun(collect(sglang_engine, GenerationRequest("b", [1, 2, 3], SamplingParams(max_tokens=2,
+                                                                                     logit_bias={49152: 1.0}))))
+    assert info.value.param == "logit_bias"
+    # the stand-in checks the ids as SGLang's SamplingParams.verify does
+    client = sglang_engine._require_client()
+    for bias, words in (({"49152": 1.0}, "logit_bias must has keys in [0, 49151], got 49152."),
+                        ({"abc": 1.0}, "invalid literal for int()")):
+        r = srun(client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
+            "max_new_tokens": 2, "logit_bias": bias}}))
+        assert r.status_code == 400 and words in r.json()["error"]["message"]
+
+
 def test_lora_adapter_by_name(model_dir, lora_dir, sglang_engine, renderer):
     from engines.huggingface import HuggingFaceEngine
 

@@ -166,11 +166,13 @@ def test_capabilities_and_registry():
 def test_every_sampling_param_is_mapped():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=20, min_p=0.1, repetition_penalty=1.1,
                             presence_penalty=0.2, frequency_penalty=0.3, stop=["x"], stop_token_ids=[5],
-                            ignore_eos=True, n=3, skip_special_tokens=False)
+                            ignore_eos=True, n=3, skip_special_tokens=False, logit_bias={50256: -100.0, 7: 2.5})
     assert sampling_params_payload(params, 7) == {
         "max_new_tokens": 7, "n": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "min_p": 0.1,
         "repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.3, "stop": ["x"],
-        "stop_token_ids": [5], "ignore_eos": True, "skip_special_tokens": False}
+        "stop_token_ids": [5], "ignore_eos": True, "skip_special_tokens": False,
+        "logit_bias": {"50256": -100.0, "7": 2.5}}  # SGLang's Dict[str, float]
+    assert "logit_bias" not in sampling_params_payload(SamplingParams(), 1)
     assert sampling_params_payload(SamplingParams(temperature=0, top_k=0), 1)["top_k"] == -1  # SGLang's "off"
     body = generate_payload("r-1", [1, 2], SamplingParams(logprobs=2), 4, "sft")
     assert body["rid"] == "r-1" and body["input_ids"] == [1, 2] and body["stream"] is True

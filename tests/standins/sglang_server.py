@@ -9,7 +9,8 @@ model at `--model-path`, so the launcher -> HTTP -> stream parsing path runs wit
 
 - `GET /health`, `GET /health_generate`: 200 once the model is loaded.
 - `GET /get_model_info`, `GET /get_server_info`: as SGLang (the server args, `version`).
-- `POST /generate`: `GenerateReqInput` with `input_ids` (or `text`), `sampling_params`, `rid`,
+- `POST /generate`: `GenerateReqInput` with `input_ids` (or `text`), `sampling_params` (with
+  `logit_bias`, token id strings -> bias, checked against the vocabulary as `verify` does), `rid`,
   `stream`, `lora_path`, `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`.
   Streamed: `data: {"text": <cumulative>, "output_ids": [...], "meta_info": {...}}` lines, then
   `data: [DONE]`; `meta_info` has `id`, `finish_reason` (null or `{"type": "stop", "matched":
@@ -118,6 +119,9 @@ class SamplingParamsIn(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_new_tokens: int = 0
+    # token id (a string) -> bias added to its logit; here by the huggingface engine, before the
+    # penalties (SGLang adds it after them: the same unless repetition_penalty is set)
+    logit_bias: dict[str, float] | None = None
 
 
 class GenerateReqIn(BaseModel):
@@ -220,13 +224,24 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             return _error(f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
                           f"You requested a total of {len(ids) + sp.max_new_tokens} tokens: {len(ids)} tokens from "
                           f"the input messages and {sp.max_new_tokens} tokens for the completion.")
+        vocab_size = engine._model.config.vocab_size  # the model config's, as SGLang's ModelConfig
+        bias: dict[int, float] = {}
+        for key, value in (sp.logit_bias or {}).items():  # SamplingParams.verify(vocab_size)
+            try:
+                token_id = int(key)
+            except ValueError as exc:
+                return _error(str(exc))
+            if not 0 <= token_id < vocab_size:
+                return _error(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
+            bias[token_id] = value
         stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         params = EngineSamplingParams(
             max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
             top_k=0 if sp.top_k == -1 else sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
             presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty, stop=stops,
             stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos, n=sp.n,
-            skip_special_tokens=sp.skip_special_tokens, logprobs=max(obj.top_logprobs_num, 0))
+            skip_special_tokens=sp.skip_special_tokens, logprobs=max(obj.top_logprobs_num, 0),
+            logit_bias=bias or None)
         # n > 1: every choice gets a request ID of its own (tokenizer_manager regenerates them).
         rids = [rid] if sp.n == 1 else [uuid.uuid4().hex for _ in range(sp.n)]
         queue: asyncio.Queue = asyncio.Queue()
