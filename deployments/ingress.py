@@ -264,6 +264,7 @@ class OpenAIIngress:
             "presence_frequency_penalty": (bool(req.presence_penalty or req.frequency_penalty), "presence_penalty",
                                            "presence_penalty/frequency_penalty"),
             "min_p": (req.min_p > 0, "min_p", "min_p"),
+            "logit_bias": (bool(req.logit_bias), "logit_bias", "logit_bias"),
             "lora": (entry.lora_name is not None, "model", "LoRA adapters"),
             "logprobs": (req.num_logprobs() is not None, "logprobs", "logprobs"),
             "response_format": (req.structured_output() is not None, "response_format",

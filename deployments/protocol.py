@@ -9,6 +9,7 @@ as vLLM does, so newer clients keep working.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -20,6 +21,7 @@ from engines.base import SamplingParams, StructuredOutput
 logger = logging.getLogger(__name__)
 
 MAX_N = 16
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each `logit_bias` value, either sign
 
 # (request type, field name) pairs already reported: each unknown field is logged once per
 # process, not on every request that carries it.
@@ -190,6 +192,7 @@ class SamplingFields(OpenAIBaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     seed: int | None = None
     user: str | None = None
+    logit_bias: dict[int, float] | None = None
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
@@ -205,6 +208,35 @@ class SamplingFields(OpenAIBaseModel):
         if any(not s for s in values):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> dict[int, float] | None:
+        """OpenAI's `logit_bias`: a JSON object from token id (a string of decimal digits, as
+        JSON keys are strings; int keys from Python callers) to a bias in [-100, 100]. One error
+        on `logit_bias` naming the first bad entry (not pydantic's one per key). Token ids are
+        checked against the model's vocabulary later, by the engine (`prepare_generation`)."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("must be an object mapping token ids to biases, e.g. {\"50256\": -100}")
+        out: dict[int, float] = {}
+        for key, bias in value.items():
+            # at most 20 digits (any 64-bit id): far longer keys are no token id, and Python's
+            # `int` refuses strings of over 4300 digits anyway
+            if isinstance(key, str) and re.fullmatch(r"[0-9]{1,20}", key):
+                token_id = int(key)
+            elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+                token_id = key
+            else:
+                raise ValueError(f"key {repr(key)[:40]} is not a token id (a non-negative integer)")
+            # the range test also refuses NaN and infinities (any comparison with NaN is false)
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                    or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {token_id} must be a number from -100 to 100, "
+                                 f"got {repr(bias)[:40]}")
+            out[token_id] = float(bias)
+        return out
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -235,6 +267,7 @@ class SamplingFields(OpenAIBaseModel):
             logprobs=self.num_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             structured_output=self.structured_output(),
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
         )
 
     def num_logprobs(self) -> int | None:

@@ -18,6 +18,7 @@ FEATURE_LABELS: dict[str, str] = {
     "logprobs": "`logprobs` / `top_logprobs`",
     "presence_frequency_penalty": "`presence_penalty` / `frequency_penalty`",
     "min_p": "`min_p`",
+    "logit_bias": "`logit_bias`",
     "lora": "LoRA adapters (model ID `<model_id>:<adapter>`)",
     "response_format": "`response_format`: `json_object`, `json_schema`",
     "forced_tool_choice": "`tool_choice`: `required` or a named function",

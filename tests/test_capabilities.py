@@ -40,6 +40,7 @@ NEEDS = {
     "logprobs": ({"logprobs": True}, "logprobs"),
     "presence_frequency_penalty": ({"frequency_penalty": 0.5}, "presence_penalty"),
     "min_p": ({"min_p": 0.1}, "min_p"),
+    "logit_bias": ({"logit_bias": {"5": -100}}, "logit_bias"),
     "lora": ({}, "model"),
     "response_format": ({"response_format": {"type": "json_object"}}, "response_format"),
     "forced_tool_choice": ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},

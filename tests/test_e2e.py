@@ -221,6 +221,28 @@ def test_completion_logprobs(client):
     assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs)
 
 
+def test_logit_bias_through_the_api(client, renderer):
+    forced = renderer.tokenizer.encode(" banana")[0]
+    banana = renderer.tokenizer.decode([forced] * 3)
+    resp = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=3,
+                                          logit_bias={str(forced): 100})
+    assert resp.choices[0].message.content == banana and resp.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=3,
+                                            temperature=1.0, seed=5, logit_bias={str(forced): 100}, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == banana
+    plain = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=1,
+                                      temperature=0)
+    [first] = renderer.tokenizer.encode(plain.choices[0].text)  # one token, " Paris"
+    banned = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=1,
+                                       temperature=0, logit_bias={str(first): -100})
+    assert banned.choices[0].text != plain.choices[0].text
+    for bias, words in (({"49152": 1}, "out of this model's vocabulary (size 49152)"),
+                        ({"5": 101}, "from -100 to 100"), ({"x": 1}, "is not a token id")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=1, logit_bias=bias)
+        assert info.value.body["param"] == "logit_bias" and words in info.value.body["message"]
+
+
 @pytest.mark.parametrize("words", [6, 820])
 def test_prompt_tokens_are_the_chat_template_s(client, renderer, words):
     """The ingress renders a short prompt in its event loop and a long one (over

@@ -8,7 +8,8 @@ from pydantic import ValidationError
 
 from deployments.errors import ModelNotFoundError, to_error_response
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
-from engines.base import InvalidRequestError, StructuredOutput
+from engines.base import GenerationRequest, InvalidRequestError, SamplingParams, StructuredOutput, prepare_generation
+from engines.config import EngineConfig
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -55,6 +56,10 @@ def test_unknown_fields_are_accepted():
     ({"messages": MSG, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
     ({"messages": MSG, "tools": [{"function": {"name": "f", "parameters": "x"}}]}, "tools.0.function.parameters"),
     ({"messages": MSG, "tools": [{"function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice"),
+    # logit_bias as OpenAI's API takes it: token id strings -> bias in [-100, 100]
+    *[({"messages": MSG, "logit_bias": bias}, "logit_bias") for bias in (
+        {"abc": 1}, {"-1": 1}, {"1.5": 1}, {"": 1}, {" 7": 1}, {"5": 100.5}, {"5": -101}, {"5": "x"},
+        {"5": True}, {"5": None}, {"5": 10**400}, {"5": float("nan")}, {"9" * 5000: 1}, {"5": float("-inf")}, [5], "5")],
 ])
 def test_validation_errors_name_the_field(body, param):
     with pytest.raises(ValidationError) as info:
@@ -65,6 +70,34 @@ def test_validation_errors_name_the_field(body, param):
     assert err.error.param == param
     assert err.error.message.startswith(param)
     assert err.error.type == "invalid_request_error"
+
+
+def test_logit_bias_reaches_the_engine_with_int_token_ids():
+    for cls, fields in ((ChatCompletionRequest, {"messages": MSG}), (CompletionRequest, {"prompt": "hi"})):
+        req = cls.model_validate({**fields, "logit_bias": {"50256": -100, "7": 2.5, "0": 100}})
+        assert req.to_sampling_params().logit_bias == {50256: -100.0, 7: 2.5, 0: 100.0}
+        assert cls.model_validate({**fields, "logit_bias": {}}).to_sampling_params().logit_bias is None
+        assert cls.model_validate(fields).to_sampling_params().logit_bias is None
+    # a completions request names the field too
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": "hi", "logit_bias": {"x": 1}})
+    exc = RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()])
+    status, err = to_error_response(exc)
+    assert (status, err.error.param) == (400, "logit_bias") and "'x' is not a token id" in err.error.message
+
+
+def test_logit_bias_token_ids_must_be_below_the_vocabulary_size():
+    def prepare(bias):
+        request = GenerationRequest("r", [1, 2, 3], SamplingParams(max_tokens=4, logit_bias=bias))
+        return prepare_generation(request, EngineConfig(), max_model_len=64, vocab_size=100)
+
+    assert prepare({0: -100.0, 99: 100.0})[0].logit_bias == {0: -100.0, 99: 100.0}
+    with pytest.raises(InvalidRequestError, match=r"\[100, 1000\] are out of this model's vocabulary \(size 100\)") \
+            as info:
+        prepare({5: 1.0, 1000: 1.0, 100: -1.0})
+    assert info.value.param == "logit_bias"
+    status, err = to_error_response(info.value)
+    assert (status, err.error.param, err.error.type) == (400, "logit_bias", "invalid_request_error")
 
 
 def test_error_mapping_for_engine_and_model_errors():
