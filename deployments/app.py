@@ -145,8 +145,14 @@ def model_deployment_options(model_id: str, config: EngineConfig, user: dict, *,
     unless the user pins an integer `num_replicas`; `num_replicas: auto` means the defaults.
     `device` places vLLM models (`cuda` or `cpu`; default: `vllm_device()`); sglang and
     ktransformers models get their GPUs (and KT's CPUs and memory) from `sglang_replica_options`
-    and `kt_replica_options`.
+    and `kt_replica_options`. lmserve's autoscaling policy gets the deployment's
+    `max_ongoing_requests` in its `policy_kwargs`.
     """
+    return _with_policy_capacity(_model_options(model_id, config, user, device=device))
+
+
+def _model_options(model_id: str, config: EngineConfig, user: dict, *, device: str | None = None) -> dict:
+    """`model_deployment_options` before the policy's kwargs are filled in."""
     user = dict(user)
     if user.get("num_replicas") == "auto":
         del user["num_replicas"]
@@ -163,6 +169,18 @@ def model_deployment_options(model_id: str, config: EngineConfig, user: dict, *,
             raise ConfigError(f"model {model_id!r}: deployment sets both num_replicas and autoscaling_config")
         opts.pop("autoscaling_config", None)
     opts.setdefault("name", "ModelServer:" + re.sub(r"[^A-Za-z0-9_.:-]", "_", model_id))
+    return opts
+
+
+def _with_policy_capacity(opts: dict) -> dict:
+    """`opts` with the deployment's `max_ongoing_requests` in lmserve's autoscaling policy's
+    `policy_kwargs` (`QueueAwarePolicy`: its queue term needs busy replicas), unless the user
+    chose another policy or set the kwarg."""
+    policy = (opts.get("autoscaling_config") or {}).get("policy")
+    if isinstance(policy, dict) and policy.get("policy_function") == constants.LMSERVE_AUTOSCALING_POLICY:
+        kwargs = dict(policy.get("policy_kwargs") or {})
+        kwargs.setdefault("max_ongoing_requests", opts["max_ongoing_requests"])
+        opts["autoscaling_config"] = {**opts["autoscaling_config"], "policy": {**policy, "policy_kwargs": kwargs}}
     return opts
 
 
@@ -246,12 +264,13 @@ def direct_streaming_options(model_id: str, config: EngineConfig, user: dict) ->
     Ray Serve admits more (`INGRESS_DEPLOYMENT_DEFAULTS`' `max_ongoing_requests`, at least
     the limit + 1) and queues none.
     """
-    opts = model_deployment_options(model_id, config, user)
+    opts = _model_options(model_id, config, user)
     queued = opts.pop("max_queued_requests", -1)
     max_requests = None if queued == -1 else opts["max_ongoing_requests"] + queued
     opts["max_ongoing_requests"] = max(INGRESS_DEPLOYMENT_DEFAULTS["max_ongoing_requests"], (max_requests or 0) + 1)
     opts["max_queued_requests"] = -1
-    return opts, max_requests
+    # Ray Serve's handles queue only beyond Ray's slots (here the larger number above).
+    return _with_policy_capacity(opts), max_requests
 
 
 def _build_direct_streaming_app(app_args: AppArgs, configs: dict[str, EngineConfig]):

@@ -36,6 +36,8 @@ TARGET_ONGOING_REQUESTS: dict[str, float] = {
     "ktransformers": _env_float("LMSERVE_KT_TARGET_ONGOING_REQUESTS", 8),
 }
 
+LMSERVE_AUTOSCALING_POLICY = "deployments.autoscaling:QueueAwarePolicy"
+
 # Autoscaling of every model deployment (Ray Serve `autoscaling_config`), unless its
 # `deployment` entry pins `num_replicas`. Ray Serve applies the bounds and delays around the
 # policy (deployments/autoscaling.py: request count plus queued requests).
@@ -46,7 +48,8 @@ AUTOSCALING_DEFAULTS: dict = {
     "upscale_delay_s": _env_float("LMSERVE_UPSCALE_DELAY_S", 15),
     "downscale_delay_s": _env_float("LMSERVE_DOWNSCALE_DELAY_S", 300),
     "look_back_period_s": _env_float("LMSERVE_LOOK_BACK_PERIOD_S", 30),
-    "policy": {"policy_function": "deployments.autoscaling:queue_aware_policy"},
+    # `policy_kwargs.max_ongoing_requests` is filled in per deployment by the app builder.
+    "policy": {"policy_function": LMSERVE_AUTOSCALING_POLICY},
 }
 
 # `Retry-After` (seconds) of a 503 answered because a deployment's queue is full, unless the

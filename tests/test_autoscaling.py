@@ -11,8 +11,10 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingP
 from ray.serve.exceptions import BackPressureError
 
 from conftest import TEST_API_KEY, backend_config
-from deployments.app import build_app, model_deployment_options
-from deployments.autoscaling import queue_aware_policy
+from ray.serve._private.autoscaling_state import _resolve_policy_callable
+
+from deployments.app import build_app, direct_streaming_options, model_deployment_options
+from deployments.autoscaling import QueueAwarePolicy, queue_aware_policy
 from deployments.constants import MODEL_DEPLOYMENT_DEFAULTS, TARGET_ONGOING_REQUESTS
 from deployments.errors import OverloadedError, to_error_response
 from engines import BUILT_BACKENDS
@@ -33,10 +35,27 @@ def test_every_backend_autoscales_with_an_explicit_target(backend):
     assert auto["upscale_delay_s"] < auto["downscale_delay_s"]
     assert opts["max_queued_requests"] > 0
     assert auto["target_ongoing_requests"] <= opts["max_ongoing_requests"]
-    # Ray Serve accepts it, and the policy imports and serializes
+    # Ray Serve accepts it, and the policy imports, serializes and is built as Ray builds it
     config = AutoscalingConfig(**auto)
-    assert config.policy.policy_function == "deployments.autoscaling:queue_aware_policy"
-    assert config.policy.get_policy().__name__ == "queue_aware_policy"
+    assert config.policy.policy_function == "deployments.autoscaling:QueueAwarePolicy"
+    policy = _resolve_policy_callable(config.policy)
+    assert isinstance(policy, QueueAwarePolicy)
+    assert policy.max_ongoing_requests == opts["max_ongoing_requests"]
+
+
+def test_policy_capacity_follows_the_deployment():
+    cfg = EngineConfig()
+    kwargs = model_deployment_options("m", cfg, {"max_ongoing_requests": 4})["autoscaling_config"]["policy"]["policy_kwargs"]
+    assert kwargs == {"max_ongoing_requests": 4}
+    # direct streaming: Ray Serve's own slots (lmserve refuses beyond its limit before they fill)
+    opts, _ = direct_streaming_options("m", cfg, {})
+    assert opts["autoscaling_config"]["policy"]["policy_kwargs"]["max_ongoing_requests"] == opts["max_ongoing_requests"]
+    # the user's kwarg and the user's own policy are left alone
+    mine = {"autoscaling_config": {"policy": {"policy_kwargs": {"max_ongoing_requests": 3}}}}
+    assert model_deployment_options("m", cfg, mine)["autoscaling_config"]["policy"]["policy_kwargs"] == {
+        "max_ongoing_requests": 3}
+    other = {"autoscaling_config": {"policy": {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}}}
+    assert "policy_kwargs" not in model_deployment_options("m", cfg, other)["autoscaling_config"]["policy"]
 
 
 def test_defaults_cover_every_built_backend():
@@ -80,6 +99,19 @@ def test_policy_adds_replicas_for_queued_requests():
     # a long queue: enough replicas to take it at the target load
     assert queue_aware_policy(_ctx(replicas=2, ongoing=40, queued=30, target=4))[0] == 2 + 8
     assert queue_aware_policy(_ctx(replicas=0, ongoing=0, queued=0, target=4))[0] == 0
+    # with the capacity known: full replicas (max_ongoing_requests 1, one running) and a queue
+    assert queue_aware_policy(_ctx(replicas=1, ongoing=3, queued=2, target=100), max_ongoing_requests=1)[0] == 2
+    assert QueueAwarePolicy(max_ongoing_requests=1)(_ctx(replicas=1, ongoing=3, queued=2, target=100))[0] == 2
+
+
+def test_policy_ignores_a_queue_while_the_replicas_are_idle():
+    """What Ray 2.60 reported for one request at a time at start-up: the fallback proxy's
+    handle held 1 queued for 20 s (0.2-0.6 averaged) with about 0.3 requests running; the
+    queue term asked for a second replica every time (bench servers, 2026-12-02)."""
+    ctx = _ctx(replicas=1, ongoing=0.8, queued=0.5, target=8)
+    assert queue_aware_policy(ctx)[0] == 2  # without the capacity: what it did
+    assert queue_aware_policy(ctx, max_ongoing_requests=16)[0] == pytest.approx(0.1)
+    assert queue_aware_policy(_ctx(replicas=2, ongoing=6, queued=1, target=8), max_ongoing_requests=16)[0] < 2
 
 
 # ---- back-pressure error mapping (fast) --------------------------------------------------
