@@ -14,7 +14,11 @@ its requests round-robin, one at a time, so each variant sees the same machine s
   ingress replica's HTTP server -> gRPC -> model replica), as for several models;
 - or the servers given by `--variant NAME:ENV=VALUE,...` (e.g.
   `--variant ray-defaults:RAY_SERVE_ENABLE_HA_PROXY=0,RAY_SERVE_THROUGHPUT_OPTIMIZED=0` for Ray
-  Serve's default data path, or `--variant group200:LMSERVE_STREAM_BATCHING_INTERVAL_MS=200`).
+  Serve's default data path, or `--variant group200:LMSERVE_STREAM_BATCHING_INTERVAL_MS=200`);
+  lower-case names are engine config fields of the model entry (`--variant nogap:hf_batch_wait_gap_ms=0`).
+
+`--torch-threads 1` gives the engine one torch thread, in-process and in each replica, so on 2
+cores a core is left to the serving path (as on a machine with more cores than the engine uses).
 
 It prints TTFT and inter-token latency p50/p95 per variant, each server's TTFT p50 minus the
 in-process one, and the median of the per-round differences (same prompt, sent moments apart)
@@ -37,6 +41,7 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+import yaml
 
 from bench import venvs
 from bench.loadgen import chat_payload, run_level, stream_chat
@@ -74,13 +79,16 @@ def _paired_cell(pairs: list[float]) -> str:
     return f"{percentile(pairs, 50) * 1e3:+.1f} [{lo * 1e3:+.1f}, {hi * 1e3:+.1f}]"
 
 
-def _server(name: str, env_extra: dict[str, str], log_dir: Path) -> tuple[ServerProcess, str]:
+def _server(name: str, env_extra: dict[str, str], log_dir: Path, torch_threads: int = 2) -> tuple[ServerProcess, str]:
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix=f"lmoverhead-{name}-")
-    # Both cores for the replica (torch threads = the replica's num_cpus), as serve_config.yaml and
-    # `python -m bench`; the in-process engine uses torch's default (all cores).
+    # Both cores for the replica by default (torch threads = the replica's num_cpus), as
+    # serve_config.yaml and `python -m bench`; the in-process engine gets as many threads.
+    # Lower-case names are engine config fields of the model entry (e.g. hf_batch_wait_gap_ms=0).
+    fields = {k: yaml.safe_load(v) for k, v in env_extra.items() if k.islower()}
+    env_extra = {k: v for k, v in env_extra.items() if not k.islower()}
     args = {"models": [{"model_id": MODEL_ID, "model_name_or_path": "smollm2", "infer_dtype": "float32",
-                        "deployment": {"ray_actor_options": {"num_cpus": 2}}}]}
+                        "deployment": {"ray_actor_options": {"num_cpus": torch_threads}}, **fields}]}
     cmd = [str(venvs.REPO_ROOT / ".venv/bin/python"), "-m", "bench.lmserve_server", "--port", str(port),
            "--ray-temp-dir", temp_dir, "--args", json.dumps(args)]
     # Direct streaming, as serve_config.yaml, unless the variant (or this environment) says 0.
@@ -105,7 +113,10 @@ async def main(opts: argparse.Namespace) -> None:
 
     variants = dict(opts.variant) if opts.variant else {
         "lmserve": {}, "lmserve-two-hop": {"LMSERVE_DIRECT_STREAMING": "0"}}
-    servers = {name: _server(f"v{i}", env, log_dir) for i, (name, env) in enumerate(variants.items())}
+    servers = {name: _server(f"v{i}", env, log_dir, opts.torch_threads) for i, (name, env) in enumerate(variants.items())}
+    import torch
+
+    torch.set_num_threads(opts.torch_threads)
     engine = create_engine(EngineConfig(model_name_or_path=str(model_dir), infer_dtype="float32"))
     try:
         for proc, _ in servers.values():
@@ -182,5 +193,9 @@ if __name__ == "__main__":
                              "lmserve (direct streaming) and lmserve-two-hop)")
     parser.add_argument("--prompts", type=Path, default=venvs.BENCH_DIR / "prompts.json",
                         help='JSON {"prompts": [...]}; short prompts make the prefill, and its noise, small')
+    parser.add_argument("--torch-threads", type=int, default=2,
+                        help="torch threads of the engine, in-process and in each replica (its num_cpus); "
+                             "1 on 2 cores leaves a core to the serving path, as on a machine with more cores "
+                             "than the engine uses (default 2)")
     parser.add_argument("--out", type=Path)
     asyncio.run(main(parser.parse_args()))
