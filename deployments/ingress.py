@@ -322,7 +322,6 @@ class OpenAIIngress:
         Leaving early (error, deadline, client gone) cancels the request in the engine.
         Every delta passes here, so this is where the request's metrics are recorded (`arrival`:
         `time.monotonic()` when the handler started)."""
-        loop = asyncio.get_running_loop()
         if self.max_requests is not None and self._requests_in_flight >= self.max_requests:
             retry_after = self._backpressure.get("retry_after_s")
             raise OverloadedError(f"The model is overloaded, retry later ({self._requests_in_flight} requests "
@@ -337,11 +336,14 @@ class OpenAIIngress:
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(response.__anext__(), max(0.0, deadline - loop.time()))
+                    # timeout_at, not wait_for: in Python 3.11 wait_for runs each `__anext__` in a
+                    # task of its own, a task and two event-loop passes more for every delta
+                    async with asyncio.timeout_at(deadline):
+                        item = await anext(response)
                 except StopAsyncIteration:
                     outcome = "completed"
                     return
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise RequestTimeoutError(
                         f"request {gen_request.request_id} did not finish within "
                         f"{self.settings.request_timeout_s:g} s and was stopped") from None
@@ -530,11 +532,12 @@ class OpenAIIngress:
             c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
             return _sse(c.model_dump(exclude={"usage"} if not include_usage else set()))
 
-        yield chunk([ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(n)])
         usage = None
         streamers = [ToolCallStreamer() for _ in range(n)] if parse_tools else None
-        async for delta in _chain(first, stream):
+
+        def render(delta: GenerationDelta) -> list[str]:
+            nonlocal usage
+            usage = delta.usage or usage
             text, finish, calls = delta.text, delta.finish_reason, []
             if streamers is not None:
                 text = streamers[delta.index].feed(text)
@@ -542,16 +545,26 @@ class OpenAIIngress:
                     rest, calls = streamers[delta.index].finish()
                     text += rest
             if calls:
-                if text:
-                    yield chunk([ChatCompletionChunkChoice(index=delta.index, delta=DeltaMessage(content=text))])
-                yield chunk([ChatCompletionChunkChoice(
+                out = [chunk([ChatCompletionChunkChoice(index=delta.index, delta=DeltaMessage(content=text))])]
+                return out[:bool(text)] + [chunk([ChatCompletionChunkChoice(
                     index=delta.index, delta=DeltaMessage(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
-                    finish_reason="tool_calls", stop_reason=delta.stop_reason)])
-            elif text or finish or delta.logprobs:
-                yield chunk([ChatCompletionChunkChoice(
+                    finish_reason="tool_calls", stop_reason=delta.stop_reason)])]
+            if text or finish or delta.logprobs:
+                return [chunk([ChatCompletionChunkChoice(
                     index=delta.index, delta=DeltaMessage(content=text), logprobs=chat_logprobs(delta.logprobs),
-                    finish_reason=finish, stop_reason=delta.stop_reason)])
-            usage = delta.usage or usage
+                    finish_reason=finish, stop_reason=delta.stop_reason)])]
+            return []
+
+        # The role chunk and the chunks of the deltas already here leave in one body write: one
+        # send through uvicorn, HAProxy and the client instead of one per event (same events).
+        head = [chunk([ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                       for i in range(n)])]
+        for delta in first:
+            head += render(delta)
+        yield "".join(head)
+        async for delta in stream:
+            for text in render(delta):
+                yield text
         if include_usage and usage is not None:
             yield chunk([], _usage_info(usage))
 
@@ -559,15 +572,25 @@ class OpenAIIngress:
                                  stream: AsyncIterator[GenerationDelta], include_usage: bool) -> AsyncIterator[str]:
         usage = None
         offsets: dict[int, int] = {}
-        async for delta in _chain(first, stream):
-            if delta.text or delta.finish_reason or delta.logprobs:
-                logprobs = completion_logprobs(delta.logprobs, offsets.get(delta.index, 0))
-                offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
-                c = CompletionResponse(id=request_id, created=created, model=model, choices=[CompletionChoice(
-                    index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-                    logprobs=logprobs)])
-                yield _sse(c.model_dump(exclude={"usage"} if not include_usage else set()))
+
+        def render(delta: GenerationDelta) -> list[str]:
+            nonlocal usage
             usage = delta.usage or usage
+            if not (delta.text or delta.finish_reason or delta.logprobs):
+                return []
+            logprobs = completion_logprobs(delta.logprobs, offsets.get(delta.index, 0))
+            offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
+            c = CompletionResponse(id=request_id, created=created, model=model, choices=[CompletionChoice(
+                index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                logprobs=logprobs)])
+            return [_sse(c.model_dump(exclude={"usage"} if not include_usage else set()))]
+
+        head = [text for delta in first for text in render(delta)]  # one body write, as for chat
+        if head:
+            yield "".join(head)
+        async for delta in stream:
+            for text in render(delta):
+                yield text
         if include_usage and usage is not None:
             c = CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=_usage_info(usage))
             yield _sse(c.model_dump())
@@ -666,17 +689,34 @@ def _headers(backend: str) -> dict[str, str]:
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """A `StreamingResponse` that closes the generation behind it when the response ends,
-    however it ends. Starlette closes nothing when the client goes away while a chunk is being
-    sent: the async generators would stay suspended until the garbage collector finalizes them,
-    and with them the engine's request and the replica's count of requests in flight."""
+    """A `StreamingResponse` that writes its first body part at once and closes the generation
+    behind it when the response ends, however it ends. Starlette closes nothing when the client
+    goes away while a chunk is being sent: the async generators would stay suspended until the
+    garbage collector finalizes them, and with them the engine's request and the replica's count
+    of requests in flight."""
 
     def __init__(self, content: AsyncIterator[str], generation: AsyncGenerator[Any, None], **kwargs: Any):
         super().__init__(content, **kwargs)
         self._generation = generation
+        self._started = False
+
+    async def stream_response(self, send: Any) -> None:
+        if not self._started:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk.encode(self.charset), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
+            # The headers and the first body part (the first token's chunks are ready when the
+            # response is made) are written from this task, before Starlette starts its task
+            # group to listen for a disconnect: that takes a task and an event-loop pass more.
+            first = await anext(self.body_iterator, None)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            self._started = True
+            if first is not None:
+                await send({"type": "http.response.body", "body": first.encode(self.charset), "more_body": True})
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):  # also when the response was cancelled
