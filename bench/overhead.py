@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import tempfile
 import time
 from functools import partial
@@ -69,6 +70,11 @@ def _paired_differences(records: list[RequestRecord], inprocess: list[RequestRec
     sent moments apart): per-request pairs cancel the machine's drift, which the difference of
     two medians does not. Seconds."""
     return [a.ttft - b.ttft for a, b in zip(records, inprocess) if a.ttft is not None and b.ttft is not None]
+
+
+def _ms(seconds: float | None) -> str:
+    """Milliseconds with one decimal, or 'n/a' (no inter-token latency with one token)."""
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def _paired_cell(pairs: list[float]) -> str:
@@ -143,11 +149,16 @@ async def main(opts: argparse.Namespace) -> None:
                 payload = chat_payload(MODEL_ID, prompts[index % len(prompts)], opts.max_tokens, True)
                 await stream_chat(client, url + "/v1/chat/completions", payload, record)
 
+            rng = random.Random(0)
             for round_ in range(-opts.warmup, opts.rounds):
                 order = ["inprocess", *servers]
-                # Rotate the order each round so that no variant always runs right after another.
-                order = order[round_ % len(order):] + order[:round_ % len(order)]
+                if opts.shuffle:  # each variant after each other one equally often, in expectation
+                    rng.shuffle(order)
+                else:  # rotated each round, so that no variant always runs right after another
+                    order = order[round_ % len(order):] + order[:round_ % len(order)]
                 for name in order:
+                    if opts.gap_ms:
+                        await asyncio.sleep(opts.gap_ms / 1e3)
                     send = inprocess if name == "inprocess" else partial(via_http, servers[name][1])
                     recs, wall = await run_level(send, opts.concurrency, opts.concurrency, 600)
                     if round_ >= 0:
@@ -158,6 +169,8 @@ async def main(opts: argparse.Namespace) -> None:
         for proc, _ in servers.values():
             proc.stop()
 
+    if opts.out:  # first: the table below must not cost the records
+        opts.out.write_text(json.dumps({n: [r.to_dict() for r in rs] for n, rs in records.items()}))
     tokenizer = renderer.tokenizer
     for recs in records.values():
         for record in recs:
@@ -175,11 +188,9 @@ async def main(opts: argparse.Namespace) -> None:
         p50, tps = percentile(ttfts, 50), _tokens(recs) / walls[name]
         failed = sum(1 for r in recs if r.error)
         print(f"| {name}{f' ({failed} failed)' if failed else ''} | {tps:.1f} | {p50 * 1e3:.1f} | "
-              f"{percentile(ttfts, 95) * 1e3:.1f} | {percentile(itls, 50) * 1e3:.1f} | "
-              f"{percentile(itls, 95) * 1e3:.1f} | {tps / base_tps:.2f}x | {(p50 - base) * 1e3:+.1f} | "
+              f"{percentile(ttfts, 95) * 1e3:.1f} | {_ms(percentile(itls, 50))} | "
+              f"{_ms(percentile(itls, 95))} | {tps / base_tps:.2f}x | {(p50 - base) * 1e3:+.1f} | "
               f"{_paired_cell(_paired_differences(recs, records['inprocess']))} |")
-    if opts.out:
-        opts.out.write_text(json.dumps({n: [r.to_dict() for r in rs] for n, rs in records.items()}))
 
 
 if __name__ == "__main__":
@@ -197,5 +208,11 @@ if __name__ == "__main__":
                         help="torch threads of the engine, in-process and in each replica (its num_cpus); "
                              "1 on 2 cores leaves a core to the serving path, as on a machine with more cores "
                              "than the engine uses (default 2)")
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="idle time before each request, ms (default 0: back to back)")
+    parser.add_argument("--shuffle", action="store_true",
+                        help="a random order each round (seeded) instead of a rotation: with three or more "
+                             "variants a rotation runs some variants after the same one more often, and a "
+                             "request runs slower after another process's (~3-8 ms on 2 cores)")
     parser.add_argument("--out", type=Path)
     asyncio.run(main(parser.parse_args()))
