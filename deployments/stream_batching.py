@@ -47,8 +47,9 @@ async def batch_stream(source: AsyncIterator[T], interval_s: float) -> AsyncIter
                 deadline = last_yield + interval_s
                 while not _terminal(items[-1]) and (left := deadline - loop.time()) > 0:
                     try:
-                        items.append(await asyncio.wait_for(queue.get(), left))
-                    except asyncio.TimeoutError:
+                        async with asyncio.timeout(left):  # wait_for would start a task per item (3.11)
+                            items.append(await queue.get())
+                    except TimeoutError:
                         break
             while not _terminal(items[-1]) and not queue.empty():
                 items.append(queue.get_nowait())
