@@ -545,10 +545,13 @@ class OpenAIIngress:
                     rest, calls = streamers[delta.index].finish()
                     text += rest
             if calls:
-                out = [chunk([ChatCompletionChunkChoice(index=delta.index, delta=DeltaMessage(content=text))])]
-                return out[:bool(text)] + [chunk([ChatCompletionChunkChoice(
+                out = []
+                if text:
+                    out.append(chunk([ChatCompletionChunkChoice(index=delta.index, delta=DeltaMessage(content=text))]))
+                out.append(chunk([ChatCompletionChunkChoice(
                     index=delta.index, delta=DeltaMessage(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
-                    finish_reason="tool_calls", stop_reason=delta.stop_reason)])]
+                    finish_reason="tool_calls", stop_reason=delta.stop_reason)]))
+                return out
             if text or finish or delta.logprobs:
                 return [chunk([ChatCompletionChunkChoice(
                     index=delta.index, delta=DeltaMessage(content=text), logprobs=chat_logprobs(delta.logprobs),
@@ -698,11 +701,9 @@ class _ClosingStreamingResponse(StreamingResponse):
     def __init__(self, content: AsyncIterator[str], generation: AsyncGenerator[Any, None], **kwargs: Any):
         super().__init__(content, **kwargs)
         self._generation = generation
-        self._started = False
 
     async def stream_response(self, send: Any) -> None:
-        if not self._started:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        # Starlette's, less the response start: `__call__` has sent it with the first body part.
         async for chunk in self.body_iterator:
             await send({"type": "http.response.body", "body": chunk.encode(self.charset), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -714,7 +715,6 @@ class _ClosingStreamingResponse(StreamingResponse):
             # group to listen for a disconnect: that takes a task and an event-loop pass more.
             first = await anext(self.body_iterator, None)
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            self._started = True
             if first is not None:
                 await send({"type": "http.response.body", "body": first.encode(self.charset), "more_body": True})
             await super().__call__(scope, receive, send)
