@@ -60,3 +60,34 @@ def test_streaming_sends_plain_text_early():
     assert sent_before_finish == "Hello there, how are you today?"
     _, _, sent = stream(HERMES, 4)
     assert sent == "Let me check.\n"  # the call itself is held back until it is complete
+
+
+def test_the_ingress_streams_a_tool_call_as_openai_chunks():
+    """`OpenAIIngress._chat_chunks` over model text split into deltas: the role and the first
+    delta in one write, the text before the call as content, then one chunk with the call."""
+    import asyncio
+
+    from deployments.ingress import OpenAIIngress
+    from engines.base import GenerationDelta
+
+    pieces = [HERMES[:5], HERMES[5:30], HERMES[30:]]
+    deltas = [GenerationDelta(text=p) for p in pieces[:-1]] + [GenerationDelta(text=pieces[-1], finish_reason="stop")]
+
+    async def rest():
+        for delta in deltas[1:]:
+            yield delta
+
+    async def collect():
+        chunks = OpenAIIngress._chat_chunks(None, "chatcmpl-1", 0, "m", 1, deltas[:1], rest(), False,
+                                            parse_tools=True)
+        return [text async for text in chunks]
+
+    writes = asyncio.run(collect())
+    events = [json.loads(line[len("data: "):]) for w in writes for line in w.split("\n\n") if line]
+    assert writes[0].count("data: ") == 2 and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert content == "Let me check.\n"
+    last = events[-1]["choices"][0]
+    assert last["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in last["delta"]["tool_calls"]] == ["get_weather"]
+    assert json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
