@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench import report, venvs
+from bench.loadgen import CLIENTS
 from bench.targets import DEFAULT_TARGETS, TARGETS, Settings, TargetResult, run_target
 
 
@@ -45,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvcache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM targets")
     p.add_argument("--max-total-s", type=float, default=7200, help="stop starting work after this (default 2 h)")
     p.add_argument("--prompts", type=Path, default=venvs.BENCH_DIR / "prompts.json")
+    p.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
+                   help=f"the load generator's HTTP client, from {', '.join(CLIENTS)} (default {CLIENTS[0]}, "
+                        "as vLLM's serving benchmark)")
     p.add_argument("--out-dir", type=Path, default=venvs.BENCH_DIR / "results")
     args = p.parse_args(argv)
     unknown = [t for t in args.targets.split(",") if t not in TARGETS]
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "Output tok/s: completion tokens of the requests that finished / the level's wall time. "
         "TTFT: request sent to first chunk with text. ITL: per token — the gap before a chunk of k tokens "
         "counts k times as gap/k (servers differ in tokens per chunk; lmserve groups 50 ms).",
+        f"Load generator: {args.client} (bench/loadgen.py). "
         "Token counts come from the server's usage; `*` marks a target without usage in its stream "
         "(LLaMA-Factory), counted by tokenizing its text, and without `ignore_eos`, so it may stop "
         "before max_tokens.",

@@ -1,22 +1,44 @@
 """Closed-loop load: `concurrency` streams, each sending its next request as soon as the last one
 ends, until `num_requests` have been sent or the level's deadline passes.
 
-`run_level` drives any `send(record, index)` coroutine, so the HTTP client below and the
+`run_level` drives any `send(record, index)` coroutine, so the HTTP clients below and the
 in-process engine (bench/inprocess.py) are measured by the same loop.
+
+The HTTP client is aiohttp by default, as in vLLM's serving benchmark (`vllm bench serve`,
+benchmarks/backend_request_func.py) and SGLang's `bench_serving`: its path from socket to SSE
+line is short. httpx (the transport of the official `openai` client) stays selectable; on the
+project's 2-core machine it added 1.7 ms [0.5, 2.6] to the TTFT p50 of the same server, paired,
+300 rounds (2026-12-03, README "Performance"), which is the client's cost, not the server's.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
-from typing import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Awaitable, Callable
 
+import aiohttp
 import httpx
 
 from bench.metrics import Chunk, RequestRecord
 
 Send = Callable[[RequestRecord, int], Awaitable[None]]
+#: `stream(url, payload, record)`: one streamed chat request, recorded into `record`.
+StreamChat = Callable[[str, dict, RequestRecord], Awaitable[None]]
+#: The HTTP clients `open_chat_client` offers; the first is the default.
+CLIENTS = ("aiohttp", "httpx")
+
+
+class HTTPStatusError(RuntimeError):
+    """A server answered a streamed request with a non-2xx status (`status`; the message holds
+    the first 200 characters of the body)."""
+
+    def __init__(self, status: int, body: str):
+        super().__init__(f"HTTP {status}: {body[:200]}")
+        self.status = status
 
 
 async def run_level(send: Send, concurrency: int, num_requests: int, timeout_s: float) -> tuple[list[RequestRecord], float]:
@@ -69,50 +91,113 @@ def chat_payload(model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> 
     return payload
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord) -> None:
-    """POST a streamed chat completion to `url` and record each SSE chunk's arrival.
+def _on_event(data: str, record: RequestRecord, now: float) -> bool:
+    """Record one SSE `data:` payload that arrived at `now` (perf_counter seconds); True at
+    `[DONE]`. Raises RuntimeError for an error object inside the stream."""
+    if data == "[DONE]":
+        return True
+    event = json.loads(data)
+    if "error" in event:
+        raise RuntimeError(f"error in stream: {event['error']}")
+    if event.get("usage"):
+        record.completion_tokens = event["usage"].get("completion_tokens")
+    for choice in event.get("choices") or []:
+        text = (choice.get("delta") or {}).get("content") or ""
+        if text:
+            record.chunks.append(Chunk(t=now, text=text))
+        if choice.get("finish_reason"):
+            record.finish_reason = choice["finish_reason"]
+    return False
+
+
+async def stream_chat_aiohttp(session: aiohttp.ClientSession, url: str, payload: dict,
+                              record: RequestRecord) -> None:
+    """POST a streamed chat completion to `url` with aiohttp and record each SSE chunk's arrival
+    (the time the line is read, before it is parsed).
 
     Raises:
-        httpx.HTTPStatusError: non-2xx answer (its body is in the message).
+        HTTPStatusError: non-2xx answer.
+        RuntimeError: an error object inside the stream.
+    """
+    async with session.post(url, json=payload) as resp:
+        if resp.status != 200:
+            raise HTTPStatusError(resp.status, (await resp.read()).decode(errors="replace"))
+        async for line in resp.content:  # one line at a time (SSE events end in a blank line)
+            if not line.startswith(b"data:"):
+                continue
+            now = time.perf_counter()
+            if _on_event(line[5:].strip().decode(), record, now):
+                break
+    record.end = time.perf_counter()
+
+
+async def stream_chat_httpx(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord) -> None:
+    """POST a streamed chat completion to `url` with httpx and record each SSE chunk's arrival.
+
+    Raises:
+        HTTPStatusError: non-2xx answer.
         RuntimeError: an error object inside the stream.
     """
     async with client.stream("POST", url, json=payload) as resp:
         if resp.status_code != 200:
-            body = (await resp.aread()).decode(errors="replace")[:200]
-            raise httpx.HTTPStatusError(f"HTTP {resp.status_code}: {body}", request=resp.request, response=resp)
+            raise HTTPStatusError(resp.status_code, (await resp.aread()).decode(errors="replace"))
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
             now = time.perf_counter()
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(f"error in stream: {event['error']}")
-            if event.get("usage"):
-                record.completion_tokens = event["usage"].get("completion_tokens")
-            for choice in event.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content") or ""
-                if text:
-                    record.chunks.append(Chunk(t=now, text=text))
-                if choice.get("finish_reason"):
-                    record.finish_reason = choice["finish_reason"]
+            if _on_event(line[5:].strip(), record, now):
+                break
     record.end = time.perf_counter()
+
+
+def client_list(text: str) -> list[str]:
+    """`--client(s)` option type: comma-separated names from `CLIENTS`.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown name.
+    """
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CLIENTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown HTTP client(s) {', '.join(unknown) or text!r}; "
+                                         f"choose from {', '.join(CLIENTS)}")
+    return names
+
+
+@asynccontextmanager
+async def open_chat_client(client: str = CLIENTS[0], *, max_connections: int, timeout_s: float,
+                           headers: dict | None = None) -> AsyncIterator[StreamChat]:
+    """A pooled HTTP client (`client`, one of `CLIENTS`) as a `StreamChat` function, closed on
+    exit. `timeout_s` bounds each read (as httpx's timeout does), connecting takes at most 10 s.
+
+    Raises:
+        ValueError: an unknown `client`.
+    """
+    if client == "aiohttp":
+        connector = aiohttp.TCPConnector(limit=max_connections)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+            yield lambda url, payload, record: stream_chat_aiohttp(session, url, payload, record)
+    elif client == "httpx":
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10), limits=limits,
+                                     headers=headers) as session:
+            yield lambda url, payload, record: stream_chat_httpx(session, url, payload, record)
+    else:
+        raise ValueError(f"unknown HTTP client {client!r}; choose from {', '.join(CLIENTS)}")
 
 
 async def http_level(base_url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
                      max_tokens: int, ignore_eos: bool, timeout_s: float,
-                     headers: dict | None = None) -> tuple[list[RequestRecord], float]:
+                     headers: dict | None = None, client: str = CLIENTS[0]) -> tuple[list[RequestRecord], float]:
     """One level against an OpenAI-compatible server at `base_url` (e.g. http://127.0.0.1:8000);
-    request i uses prompt i modulo the prompt set."""
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10), limits=limits,
-                                 headers=headers) as client:
+    request i uses prompt i modulo the prompt set; `client` is one of `CLIENTS`."""
+    async with open_chat_client(client, max_connections=concurrency + 4, timeout_s=timeout_s,
+                                headers=headers) as stream:
         url = base_url + "/v1/chat/completions"
 
         async def send(record: RequestRecord, index: int) -> None:
             payload = chat_payload(model, prompts[index % len(prompts)], max_tokens, ignore_eos)
-            await stream_chat(client, url, payload, record)
+            await stream(url, payload, record)
 
         return await run_level(send, concurrency, num_requests, timeout_s)

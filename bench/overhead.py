@@ -25,8 +25,9 @@ in-process one, and the median of the per-round differences (same prompt, sent m
 with its bootstrap 95 % interval (`bench.metrics.median_ci`: the pairs' spread on 2 shared cores
 is ~30 ms, so a few-ms target takes a couple of hundred rounds; `--max-tokens 2` keeps them short);
 `--out` writes the records as JSON. Prompts are rendered once by `engines.prompt`, as the ingress
-renders them. Each server runs its own Ray cluster, whose idle processes load the machine for
-every variant alike: fewer variants, less noise.
+renders them. The load generator's HTTP client is aiohttp (bench.loadgen); `--clients
+aiohttp,httpx` measures each server with both, in rows of their own. Each server runs its own Ray
+cluster, whose idle processes load the machine for every variant alike: fewer variants, less noise.
 """
 
 from __future__ import annotations
@@ -38,14 +39,13 @@ import os
 import random
 import tempfile
 import time
-from functools import partial
+from contextlib import AsyncExitStack
 from pathlib import Path
 
-import httpx
 import yaml
 
 from bench import venvs
-from bench.loadgen import chat_payload, run_level, stream_chat
+from bench.loadgen import CLIENTS, chat_payload, client_list, open_chat_client, run_level
 from bench.metrics import Chunk, RequestRecord, count_tokens, itl_samples, median_ci, percentile
 from bench.servers import ServerProcess
 from engines.server_process import free_port
@@ -141,17 +141,27 @@ async def main(opts: argparse.Namespace) -> None:
                     record.chunks.append(Chunk(t=time.perf_counter(), text=delta.text, num_tokens=delta.num_tokens))
             record.end = time.perf_counter()
 
-        records: dict[str, list[RequestRecord]] = {"inprocess": [], **{name: [] for name in servers}}
+        # One row per server and HTTP client; with one client the rows are named as the servers.
+        rows = {name if len(opts.clients) == 1 else f"{name} ({client})": (url, client)
+                for name, (_, url) in servers.items() for client in opts.clients}
+        records: dict[str, list[RequestRecord]] = {"inprocess": [], **{name: [] for name in rows}}
         walls: dict[str, float] = {name: 0.0 for name in records}
-        limits = httpx.Limits(max_connections=opts.concurrency + 4, max_keepalive_connections=opts.concurrency + 4)
-        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-            async def via_http(url: str, record: RequestRecord, index: int) -> None:
-                payload = chat_payload(MODEL_ID, prompts[index % len(prompts)], opts.max_tokens, True)
-                await stream_chat(client, url + "/v1/chat/completions", payload, record)
+        async with AsyncExitStack() as stack:
+            streams = {client: await stack.enter_async_context(open_chat_client(
+                client, max_connections=opts.concurrency + 4, timeout_s=300)) for client in opts.clients}
 
+            def via_http(row: str):
+                url, client = rows[row]
+
+                async def send(record: RequestRecord, index: int) -> None:
+                    payload = chat_payload(MODEL_ID, prompts[index % len(prompts)], opts.max_tokens, True)
+                    await streams[client](url + "/v1/chat/completions", payload, record)
+                return send
+
+            senders = {"inprocess": inprocess, **{row: via_http(row) for row in rows}}
             rng = random.Random(0)
             for round_ in range(-opts.warmup, opts.rounds):
-                order = ["inprocess", *servers]
+                order = list(senders)
                 if opts.shuffle:  # each variant after each other one equally often, in expectation
                     rng.shuffle(order)
                 else:  # rotated each round, so that no variant always runs right after another
@@ -159,8 +169,7 @@ async def main(opts: argparse.Namespace) -> None:
                 for name in order:
                     if opts.gap_ms:
                         await asyncio.sleep(opts.gap_ms / 1e3)
-                    send = inprocess if name == "inprocess" else partial(via_http, servers[name][1])
-                    recs, wall = await run_level(send, opts.concurrency, opts.concurrency, 600)
+                    recs, wall = await run_level(senders[name], opts.concurrency, opts.concurrency, 600)
                     if round_ >= 0:
                         records[name].extend(recs)
                         walls[name] += wall
@@ -214,5 +223,9 @@ if __name__ == "__main__":
                         help="a random order each round (seeded) instead of a rotation: with three or more "
                              "variants a rotation runs some variants after the same one more often, and a "
                              "request runs slower after another process's (~3-8 ms on 2 cores)")
+    parser.add_argument("--clients", type=client_list, default=[CLIENTS[0]],
+                        help=f"HTTP clients of the load generator, comma-separated from {', '.join(CLIENTS)}; "
+                             "with more than one, each server is measured with each, in separate rows "
+                             f"(default {CLIENTS[0]}, as vLLM's serving benchmark)")
     parser.add_argument("--out", type=Path)
     asyncio.run(main(parser.parse_args()))

@@ -31,9 +31,7 @@ import sys
 import tempfile
 import time
 
-import httpx
-
-from bench.loadgen import chat_payload, run_level, stream_chat
+from bench.loadgen import CLIENTS, chat_payload, open_chat_client, run_level
 from bench.metrics import median_ci, percentile
 
 MODEL_ID = "floor"
@@ -154,16 +152,14 @@ def build_lmserve_app(model_dir: str):
     return server.bind(MODEL_ID, {"model_name_or_path": model_dir, "infer_dtype": "float32"})
 
 
-async def _measure(urls: dict[str, str], rounds: int, warmup: int) -> dict[str, list]:
+async def _measure(urls: dict[str, str], rounds: int, warmup: int, client: str = CLIENTS[0]) -> dict[str, list]:
     """`rounds` requests one at a time to each app, the apps taking turns (so drift hits all
-    alike); records per app name."""
-    limits = httpx.Limits(max_connections=4, max_keepalive_connections=4)
+    alike), sent with HTTP client `client` (bench.loadgen.CLIENTS); records per app name."""
     records: dict[str, list] = {name: [] for name in urls}
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+    async with open_chat_client(client, max_connections=4, timeout_s=60) as stream:
         def sender(url):
             async def send(record, index):
-                await stream_chat(client, url + "/v1/chat/completions",
-                                  chat_payload(MODEL_ID, "Hello there.", 1, False), record)
+                await stream(url + "/v1/chat/completions", chat_payload(MODEL_ID, "Hello there.", 1, False), record)
             return send
 
         senders = {name: sender(url) for name, url in urls.items()}
@@ -182,6 +178,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--one-hop", action="store_true",
                         help="one deployment answers HTTP and generates (no ingress -> model call)")
+    parser.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
+                        help=f"the load generator's HTTP client, from {', '.join(CLIENTS)} (default {CLIENTS[0]})")
     parser.add_argument("--lmserve", action="store_true",
                         help="lmserve's direct-streaming deployment with an engine that answers at once, "
                              "interleaved with the one-hop floor")
@@ -213,7 +211,7 @@ def main() -> int:
             serve.run(build_one_hop_app() if opts.one_hop else build_floor_app(), name="floor", route_prefix="/")
             urls = {"one deployment (HAProxy -> replica)" if opts.one_hop
                     else "lmserve's topology (HAProxy -> ingress replica -> gRPC -> model replica)": url}
-        records = asyncio.run(_measure(urls, opts.rounds, opts.warmup))
+        records = asyncio.run(_measure(urls, opts.rounds, opts.warmup, opts.client))
     finally:
         try:
             serve.shutdown()

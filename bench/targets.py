@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench import venvs
-from bench.loadgen import http_level
+from bench.loadgen import CLIENTS, http_level
 from bench.metrics import LevelResult, RequestRecord, count_tokens, summarize
 from bench.servers import ServerProcess, StartError, wait_for_quiet_cpu
 from engines.server_process import free_port
@@ -61,6 +61,7 @@ class Settings:
     log_dir: Path
     deadline: float
     tokenize: Callable[[str], int]
+    client: str = CLIENTS[0]
 
     @property
     def prompts(self) -> list[str]:
@@ -82,6 +83,7 @@ class Settings:
             install=not args.no_install, install_timeout=args.install_timeout, kvcache_gib=args.kvcache_gib,
             model_dir=model_dir, prompts_path=args.prompts, log_dir=log_dir, deadline=deadline,
             tokenize=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+            client=getattr(args, "client", CLIENTS[0]),
         )
 
     def num_requests(self, concurrency: int) -> int:
@@ -227,7 +229,7 @@ def run_server_target(name: str, s: Settings) -> TargetResult:
 
         async def level(concurrency: int, num: int, timeout: float):
             return await http_level(base_url, MODEL_ID, prompts, concurrency, num, s.max_tokens,
-                                    spec.ignore_eos, timeout)
+                                    spec.ignore_eos, timeout, client=s.client)
 
         asyncio.run(level(1, 1, min(120, s.left())))  # warm-up, not counted
         waited = wait_for_quiet_cpu(max_wait_s=min(60.0, max(0.0, s.left() - 10)))

@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 
 from bench import venvs
-from bench.loadgen import http_level
+from bench.loadgen import CLIENTS, http_level
 from bench.metrics import LevelResult, count_tokens, summarize
 from bench.servers import ServerProcess, StartError
 from bench.targets import MODEL_ID, Settings, Unavailable, server_spec
@@ -145,6 +145,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-install", action="store_true", help="do not build missing venvs")
     p.add_argument("--kvcache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM targets")
     p.add_argument("--prompts", type=Path, default=venvs.BENCH_DIR / "prompts.json")
+    p.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
+                   help=f"the load generator's HTTP client, from {', '.join(CLIENTS)} (default {CLIENTS[0]})")
     p.add_argument("--log-dir", type=Path, default=venvs.BENCH_DIR / "results" / "logs-turns")
     p.add_argument("--out", type=Path, help="JSON with every round's level results")
     args = p.parse_args(argv)
@@ -185,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
         async def level(name: str, concurrency: int, num: int) -> LevelResult:
             records, wall = await http_level(servers[name][1], MODEL_ID, prompts, concurrency, num,
-                                             args.max_tokens, ignore_eos[name], args.level_timeout)
+                                             args.max_tokens, ignore_eos[name], args.level_timeout,
+                                             client=args.client)
             for record in records:
                 if record.ok:
                     count_tokens(record, settings.tokenize)
