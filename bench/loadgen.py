@@ -113,7 +113,8 @@ def _on_event(data: str, record: RequestRecord, now: float) -> bool:
 async def stream_chat_aiohttp(session: aiohttp.ClientSession, url: str, payload: dict,
                               record: RequestRecord) -> None:
     """POST a streamed chat completion to `url` with aiohttp and record each SSE chunk's arrival
-    (the time the line is read, before it is parsed).
+    (the time the line is read, before it is parsed); `record.end` is the arrival of `[DONE]`
+    (or the end of the body when the server sends none).
 
     Raises:
         HTTPStatusError: non-2xx answer.
@@ -122,13 +123,16 @@ async def stream_chat_aiohttp(session: aiohttp.ClientSession, url: str, payload:
     async with session.post(url, json=payload) as resp:
         if resp.status != 200:
             raise HTTPStatusError(resp.status, (await resp.read()).decode(errors="replace"))
+        done = None
         async for line in resp.content:  # one line at a time (SSE events end in a blank line)
-            if not line.startswith(b"data:"):
-                continue
-            now = time.perf_counter()
-            if _on_event(line[5:].strip().decode(), record, now):
-                break
-    record.end = time.perf_counter()
+            if done is None and line.startswith(b"data:"):
+                now = time.perf_counter()
+                done = now if _on_event(line[5:].strip().decode(), record, now) else None
+    # Read to the end of the body, past [DONE], so the connection goes back to the pool: a client
+    # that stops at [DONE] (before the chunked body's last chunk) gets its connection closed and
+    # pays a new one, TCP handshake and all, in the next request's TTFT. The `openai` client
+    # reads its streams to the end for the same reason.
+    record.end = done or time.perf_counter()
 
 
 async def stream_chat_httpx(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord) -> None:
@@ -141,13 +145,12 @@ async def stream_chat_httpx(client: httpx.AsyncClient, url: str, payload: dict, 
     async with client.stream("POST", url, json=payload) as resp:
         if resp.status_code != 200:
             raise HTTPStatusError(resp.status_code, (await resp.aread()).decode(errors="replace"))
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            now = time.perf_counter()
-            if _on_event(line[5:].strip(), record, now):
-                break
-    record.end = time.perf_counter()
+        done = None
+        async for line in resp.aiter_lines():  # to the end, as above
+            if done is None and line.startswith("data:"):
+                now = time.perf_counter()
+                done = now if _on_event(line[5:].strip(), record, now) else None
+    record.end = done or time.perf_counter()
 
 
 def client_list(text: str) -> list[str]:

@@ -72,3 +72,28 @@ def test_a_refused_request_is_a_failure_with_its_status(serve_url, client):
     error, record = asyncio.run(go())
     assert error.status == 404 and "no-such-model" in str(error)
     assert not record.ok and not record.chunks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client", CLIENTS)
+def test_one_connection_serves_request_after_request(serve_url, client):
+    # A client that stops reading at [DONE] has its connection closed and pays a new one (TCP
+    # handshake and all) in the next request's TTFT; the load generator reads to the end.
+    async def go():
+        loop = asyncio.get_running_loop()
+        opened = []
+        create_connection = loop.create_connection
+
+        async def counting(*args, **kwargs):
+            opened.append(args[1:3])
+            return await create_connection(*args, **kwargs)
+
+        loop.create_connection = counting
+        records, _ = await http_level(serve_url, "smollm2", PROMPTS, concurrency=1, num_requests=4, max_tokens=2,
+                                      ignore_eos=True, timeout_s=120,
+                                      headers={"Authorization": f"Bearer {TEST_API_KEY}"}, client=client)
+        return records, opened
+
+    records, opened = asyncio.run(go())
+    assert all(r.ok for r in records) and all(r.end >= r.chunks[-1].t for r in records)
+    assert len(opened) == 1
