@@ -7,8 +7,8 @@ in-process engine (bench/inprocess.py) are measured by the same loop.
 The HTTP client is aiohttp by default, as in vLLM's serving benchmark (`vllm bench serve`,
 benchmarks/backend_request_func.py) and SGLang's `bench_serving`: its path from socket to SSE
 line is short. httpx (the transport of the official `openai` client) stays selectable; on the
-project's 2-core machine it added 1.7 ms [0.5, 2.6] to the TTFT p50 of the same server, paired,
-300 rounds (2026-12-03, README "Performance"), which is the client's cost, not the server's.
+project's 2-core machine it added 1.5-1.9 ms to the TTFT p50 of the same server, paired, in three
+runs of 300 rounds (2026-12-03, README "The load generator"): the client's cost, not the server's.
 """
 
 from __future__ import annotations

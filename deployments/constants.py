@@ -165,7 +165,7 @@ STREAM_BATCHING_INTERVAL_S: float = _env_float("LMSERVE_STREAM_BATCHING_INTERVAL
 # Serve controller, the proxies and the replicas), so `lmserve serve` / `lmserve api` set them
 # before starting a local cluster unless the environment already sets them (`=0` turns them
 # off), and k8s/rayservice.yaml sets them on every pod. Measured on the project's 2-core
-# machine (README, Performance): the serving path of one request takes ~30 ms with Ray Serve's
+# machine (bench/results/performance-log.md): the serving path of one request takes ~30 ms with Ray Serve's
 # defaults (Python HTTP proxy, Ray actor calls) and ~8 ms in this mode; bench.overhead's TTFT p50
 # difference to the in-process engine went from +31 ms to +0 ms.
 # The mode would also buffer each replica's log records (1000) until an ERROR: lmserve keeps
