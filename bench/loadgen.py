@@ -7,8 +7,9 @@ in-process engine (bench/inprocess.py) are measured by the same loop.
 The HTTP client is aiohttp by default, as in vLLM's serving benchmark (`vllm bench serve`,
 benchmarks/backend_request_func.py) and SGLang's `bench_serving`: its path from socket to SSE
 line is short. httpx (the transport of the official `openai` client) stays selectable; on the
-project's 2-core machine it added 1.5-1.9 ms to the TTFT p50 of the same server, paired, in three
-runs of 300 rounds (2026-12-03, README "The load generator"): the client's cost, not the server's.
+project's 2-core machine it added 1.86 ms [1.11, 2.59] to the TTFT p50 of the same server, paired,
+300 rounds, both clients reusing their connections (2026-12-03, README "The load generator"):
+the client's cost, not the server's.
 """
 
 from __future__ import annotations
@@ -110,11 +111,59 @@ def _on_event(data: str, record: RequestRecord, now: float) -> bool:
     return False
 
 
+#: After `[DONE]`, the longest the load generator reads on to the end of the body (s): a body
+#: read to its end leaves its connection to the pool; one cut short closes it.
+DRAIN_TIMEOUT_S = 1.0
+
+
+async def _sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The lines of a byte stream, split on `\n` only, as SSE splits them (and aiohttp's
+    `readline`): httpx's `aiter_lines` also splits on U+2028/U+2029/U+0085, which JSON may
+    carry unescaped inside an event."""
+    buffer = b""
+    async for chunk in chunks:
+        *lines, buffer = (buffer + chunk).split(b"\n")
+        for line in lines:
+            yield line
+    if buffer:
+        yield buffer
+
+
+async def _record_stream(lines: AsyncIterator[bytes], record: RequestRecord) -> None:
+    """Record the `data:` events of a chat stream (each at the time its line is handed over,
+    before it is parsed) up to `[DONE]`, whose arrival is `record.end` (the end of the body when
+    the server sends none); then read on to the end of the body, for at most `DRAIN_TIMEOUT_S`.
+
+    Reading to the end lets the connection go back to the pool: a client that stops at `[DONE]`,
+    before the chunked body's last chunk, gets its connection closed and pays a new one (TCP
+    handshake and all) in the next request's TTFT. The `openai` client reads its streams to the
+    end for the same reason. A body that fails or stalls after `[DONE]` costs the connection,
+    not the request.
+
+    Raises:
+        RuntimeError: an error object inside the stream.
+    """
+    lines = aiter(lines)
+    async for line in lines:
+        if line.startswith(b"data:"):
+            now = time.perf_counter()
+            if _on_event(line[5:].strip().decode(), record, now):
+                record.end = now
+                break
+    else:
+        record.end = time.perf_counter()
+        return
+    try:
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            async for _ in lines:
+                pass
+    except (TimeoutError, aiohttp.ClientError, httpx.HTTPError):
+        pass  # the connection is closed instead of reused; the request itself is complete
+
+
 async def stream_chat_aiohttp(session: aiohttp.ClientSession, url: str, payload: dict,
                               record: RequestRecord) -> None:
-    """POST a streamed chat completion to `url` with aiohttp and record each SSE chunk's arrival
-    (the time the line is read, before it is parsed); `record.end` is the arrival of `[DONE]`
-    (or the end of the body when the server sends none).
+    """POST a streamed chat completion to `url` with aiohttp and record it (`_record_stream`).
 
     Raises:
         HTTPStatusError: non-2xx answer.
@@ -123,20 +172,11 @@ async def stream_chat_aiohttp(session: aiohttp.ClientSession, url: str, payload:
     async with session.post(url, json=payload) as resp:
         if resp.status != 200:
             raise HTTPStatusError(resp.status, (await resp.read()).decode(errors="replace"))
-        done = None
-        async for line in resp.content:  # one line at a time (SSE events end in a blank line)
-            if done is None and line.startswith(b"data:"):
-                now = time.perf_counter()
-                done = now if _on_event(line[5:].strip().decode(), record, now) else None
-    # Read to the end of the body, past [DONE], so the connection goes back to the pool: a client
-    # that stops at [DONE] (before the chunked body's last chunk) gets its connection closed and
-    # pays a new one, TCP handshake and all, in the next request's TTFT. The `openai` client
-    # reads its streams to the end for the same reason.
-    record.end = done or time.perf_counter()
+        await _record_stream(resp.content, record)  # StreamReader: one line at a time
 
 
 async def stream_chat_httpx(client: httpx.AsyncClient, url: str, payload: dict, record: RequestRecord) -> None:
-    """POST a streamed chat completion to `url` with httpx and record each SSE chunk's arrival.
+    """POST a streamed chat completion to `url` with httpx and record it (`_record_stream`).
 
     Raises:
         HTTPStatusError: non-2xx answer.
@@ -145,12 +185,7 @@ async def stream_chat_httpx(client: httpx.AsyncClient, url: str, payload: dict, 
     async with client.stream("POST", url, json=payload) as resp:
         if resp.status_code != 200:
             raise HTTPStatusError(resp.status_code, (await resp.aread()).decode(errors="replace"))
-        done = None
-        async for line in resp.aiter_lines():  # to the end, as above
-            if done is None and line.startswith("data:"):
-                now = time.perf_counter()
-                done = now if _on_event(line[5:].strip(), record, now) else None
-    record.end = done or time.perf_counter()
+        await _record_stream(_sse_lines(resp.aiter_bytes()), record)
 
 
 def client_list(text: str) -> list[str]:

@@ -147,8 +147,11 @@ async def main(opts: argparse.Namespace) -> None:
         records: dict[str, list[RequestRecord]] = {"inprocess": [], **{name: [] for name in rows}}
         walls: dict[str, float] = {name: 0.0 for name in records}
         async with AsyncExitStack() as stack:
+            # a pool per client, shared by the servers: room for every server's streams, so that
+            # no idle connection is closed to make room (and reopened inside a TTFT)
+            pool = opts.concurrency * len(servers) + 4
             streams = {client: await stack.enter_async_context(open_chat_client(
-                client, max_connections=opts.concurrency + 4, timeout_s=300)) for client in opts.clients}
+                client, max_connections=pool, timeout_s=300)) for client in opts.clients}
 
             def via_http(row: str):
                 url, client = rows[row]
@@ -187,7 +190,8 @@ async def main(opts: argparse.Namespace) -> None:
     base = percentile([r.ttft for r in records["inprocess"] if r.ttft is not None], 50)
     base_tps = _tokens(records["inprocess"]) / walls["inprocess"]
     print(f"\n{opts.rounds} rounds of {opts.concurrency} concurrent stream(s), {opts.max_tokens} new tokens, "
-          "variants interleaved round-robin\n")
+          f"variants interleaved {'in a random order' if opts.shuffle else 'round-robin'}, "
+          f"load generator {', '.join(opts.clients)}\n")
     print("| variant | output tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | tok/s / in-process "
           "| TTFT p50 - in-process ms | paired TTFT difference p50 ms [95 % CI] |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")

@@ -217,7 +217,7 @@ def main() -> int:
             serve.shutdown()
         finally:
             ray.shutdown()
-    print(f"\nRay Serve floor, {opts.rounds} requests one at a time per app\n")
+    print(f"\nRay Serve floor, {opts.rounds} requests one at a time per app, load generator {opts.client}\n")
     print("| app | TTFT p50 ms | TTFT p95 ms | end-to-end p50 ms | failed |")
     print("|---|--:|--:|--:|--:|")
     for name, recs in records.items():

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"turns: round {round_index + 1}, {concurrency} streams, {name}: "
                           f"{result.tokens_per_s:.1f} tok/s, {result.ok}/{result.requests} ok",
                           file=sys.stderr, flush=True)
-            print(table(args.levels, targets, runs), flush=True)
+            print(f"load generator: {args.client}\n\n{table(args.levels, targets, runs)}", flush=True)
         if args.out:
             args.out.write_text(json.dumps({name: {str(c): [dataclasses.asdict(r) for r in results]
                                                    for c, results in per.items()} for name, per in runs.items()},

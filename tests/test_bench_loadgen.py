@@ -4,9 +4,13 @@ the same requests the same way, and a refused request as a failure."""
 
 import argparse
 import asyncio
+import json
+import time
 
+import aiohttp
 import pytest
 
+from bench import loadgen
 from bench.loadgen import CLIENTS, HTTPStatusError, client_list, http_level, open_chat_client
 from bench.metrics import RequestRecord
 from tests.conftest import TEST_API_KEY
@@ -21,6 +25,74 @@ def test_client_list_names_the_clients_it_accepts():
         client_list("aiohttp,requests")
     with pytest.raises(argparse.ArgumentTypeError):
         client_list(",")
+
+
+def _event(delta: dict | None = None, finish_reason=None, usage=None) -> bytes:
+    """One SSE event line of an OpenAI chat chunk, as a server writes it (no escaping of non-ASCII)."""
+    chunk = {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish_reason}]}
+    if usage:
+        chunk["usage"] = usage
+    return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n"
+
+
+async def _lines(*items, after: float = 0.0, error: Exception | None = None):
+    """Yield `items` (bytes), then wait `after` seconds, then raise `error` if given."""
+    for item in items:
+        yield item
+    await asyncio.sleep(after)
+    if error is not None:
+        raise error
+
+
+STREAM = [_event({"role": "assistant"}), b"\n", _event({"content": "Hel"}), b"\n", _event({"content": "lo"}), b"\n",
+          _event(finish_reason="length", usage={"completion_tokens": 2}), b"\n", b"data: [DONE]\n", b"\n"]
+
+
+def test_a_stream_is_recorded_up_to_done_and_read_to_its_end():
+    async def go(record):
+        lines = _lines(*STREAM, b"0\r\n", after=0.3)  # the body ends 0.3 s after [DONE]
+        await loadgen._record_stream(lines, record)
+        return [rest async for rest in lines]
+
+    record = RequestRecord(start=time.perf_counter())
+    assert asyncio.run(go(record)) == []  # read to the end, past [DONE]
+    assert record.text == "Hello" and record.completion_tokens == 2 and record.finish_reason == "length"
+    assert record.chunks[0].t <= record.chunks[1].t <= record.end
+    assert record.ok and record.end - record.start < 0.2  # the arrival of [DONE], not the body's end
+
+
+def test_a_body_that_stalls_or_fails_after_done_costs_the_connection_not_the_request(monkeypatch):
+    monkeypatch.setattr(loadgen, "DRAIN_TIMEOUT_S", 0.5)
+    for stall, error in ((30.0, None), (0.0, aiohttp.ClientPayloadError("connection lost"))):
+        record = RequestRecord(start=time.perf_counter())
+        started = time.perf_counter()
+        asyncio.run(loadgen._record_stream(_lines(*STREAM, after=stall, error=error), record))
+        assert record.ok and record.text == "Hello" and time.perf_counter() - started < 5
+        assert record.end - started < 0.25  # the arrival of [DONE], not the end of the body's wait
+
+
+def test_a_stream_without_done_ends_with_its_body_and_an_error_event_raises():
+    record = RequestRecord(start=time.perf_counter())
+    asyncio.run(loadgen._record_stream(_lines(*STREAM[:-2]), record))
+    assert record.ok and record.text == "Hello"
+    error = b'data: {"error": {"message": "request timed out", "code": 408}}\n'
+    with pytest.raises(RuntimeError, match="request timed out"):
+        asyncio.run(loadgen._record_stream(_lines(STREAM[2], error), RequestRecord(start=0.0)))
+
+
+def test_httpx_lines_split_on_newlines_only():
+    # U+2028 is legal unescaped in JSON; httpx's aiter_lines would split the event there
+    event = _event({"content": "a\u2028b"})
+    chunks = [event[:9], event[9:] + b"\ndata: [DO", b"NE]\n\n"]
+
+    async def split():
+        return [line async for line in loadgen._sse_lines(_lines(*chunks))]
+
+    lines = asyncio.run(split())
+    assert lines == [event.rstrip(b"\n"), b"", b"data: [DONE]", b""]
+    record = RequestRecord(start=0.0)
+    asyncio.run(loadgen._record_stream(_lines(*lines), record))
+    assert record.text == "a\u2028b"
 
 
 def test_an_unknown_client_is_refused():
@@ -95,5 +167,5 @@ def test_one_connection_serves_request_after_request(serve_url, client):
         return records, opened
 
     records, opened = asyncio.run(go())
-    assert all(r.ok for r in records) and all(r.end >= r.chunks[-1].t for r in records)
+    assert all(r.ok for r in records)
     assert len(opened) == 1
