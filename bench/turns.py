@@ -6,8 +6,8 @@
 how this shared machine drifted between their runs (10-30 % on 2 cores). Here every target is
 started once and kept up; each level then runs on one target at a time while every process of
 the others is stopped with SIGSTOP (an idle Ray cluster or vLLM engine beside a target takes
-CPU from it on 2 cores: bench/results/performance-log.md, "One after the other"), target after target, the order reversed
-every other round. So a level's runs on two targets are minutes apart, not half an hour, and
+CPU from it on 2 cores: bench/results/performance-log.md, "One after the other"), target after
+target, the order reversed every other round. So a level's runs on two targets are minutes apart, not half an hour, and
 neither has the other beside it. After each thaw a target must answer a short request before its
 level starts.
 
