@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench import report, venvs
-from bench.loadgen import CLIENTS
+from bench.loadgen import add_client_argument
 from bench.targets import DEFAULT_TARGETS, TARGETS, Settings, TargetResult, run_target
 
 
@@ -46,9 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvcache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM targets")
     p.add_argument("--max-total-s", type=float, default=7200, help="stop starting work after this (default 2 h)")
     p.add_argument("--prompts", type=Path, default=venvs.BENCH_DIR / "prompts.json")
-    p.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
-                   help=f"the load generator's HTTP client, from {', '.join(CLIENTS)} (default {CLIENTS[0]}, "
-                        "as vLLM's serving benchmark)")
+    add_client_argument(p)
     p.add_argument("--out-dir", type=Path, default=venvs.BENCH_DIR / "results")
     args = p.parse_args(argv)
     unknown = [t for t in args.targets.split(",") if t not in TARGETS]

@@ -188,6 +188,13 @@ async def stream_chat_httpx(client: httpx.AsyncClient, url: str, payload: dict, 
         await _record_stream(_sse_lines(resp.aiter_bytes()), record)
 
 
+def add_client_argument(parser: argparse.ArgumentParser) -> None:
+    """`--client`, the load generator's HTTP client (one of `CLIENTS`, default the first)."""
+    parser.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
+                        help=f"the load generator's HTTP client, from {', '.join(CLIENTS)} (default {CLIENTS[0]}, "
+                             "as vLLM's serving benchmark)")
+
+
 def client_list(text: str) -> list[str]:
     """`--client(s)` option type: comma-separated names from `CLIENTS`.
 

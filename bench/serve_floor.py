@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from bench.loadgen import CLIENTS, chat_payload, open_chat_client, run_level
+from bench.loadgen import CLIENTS, add_client_argument, chat_payload, open_chat_client, run_level
 from bench.metrics import median_ci, percentile
 
 MODEL_ID = "floor"
@@ -178,8 +178,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--one-hop", action="store_true",
                         help="one deployment answers HTTP and generates (no ingress -> model call)")
-    parser.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
-                        help=f"the load generator's HTTP client, from {', '.join(CLIENTS)} (default {CLIENTS[0]})")
+    add_client_argument(parser)
     parser.add_argument("--lmserve", action="store_true",
                         help="lmserve's direct-streaming deployment with an engine that answers at once, "
                              "interleaved with the one-hop floor")

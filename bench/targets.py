@@ -83,7 +83,7 @@ class Settings:
             install=not args.no_install, install_timeout=args.install_timeout, kvcache_gib=args.kvcache_gib,
             model_dir=model_dir, prompts_path=args.prompts, log_dir=log_dir, deadline=deadline,
             tokenize=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-            client=getattr(args, "client", CLIENTS[0]),
+            client=args.client,
         )
 
     def num_requests(self, concurrency: int) -> int:

@@ -7,9 +7,9 @@ how this shared machine drifted between their runs (10-30 % on 2 cores). Here ev
 started once and kept up; each level then runs on one target at a time while every process of
 the others is stopped with SIGSTOP (an idle Ray cluster or vLLM engine beside a target takes
 CPU from it on 2 cores: bench/results/performance-log.md, "One after the other"), target after
-target, the order reversed every other round. So a level's runs on two targets are minutes apart, not half an hour, and
-neither has the other beside it. After each thaw a target must answer a short request before its
-level starts.
+target, the order reversed every other round. So a level's runs on two targets are minutes apart,
+not half an hour, and neither has the other beside it. After each thaw a target must answer a
+short request before its level starts.
 
 It prints, per level, each target's aggregate output tok/s (median over rounds), TTFT and ITL
 p50 (over all its requests at that level), and the ratio of the first target to each other one
@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 
 from bench import venvs
-from bench.loadgen import CLIENTS, http_level
+from bench.loadgen import add_client_argument, http_level
 from bench.metrics import LevelResult, count_tokens, summarize
 from bench.servers import ServerProcess, StartError
 from bench.targets import MODEL_ID, Settings, Unavailable, server_spec
@@ -145,8 +145,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-install", action="store_true", help="do not build missing venvs")
     p.add_argument("--kvcache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM targets")
     p.add_argument("--prompts", type=Path, default=venvs.BENCH_DIR / "prompts.json")
-    p.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
-                   help=f"the load generator's HTTP client, from {', '.join(CLIENTS)} (default {CLIENTS[0]})")
+    add_client_argument(p)
     p.add_argument("--log-dir", type=Path, default=venvs.BENCH_DIR / "results" / "logs-turns")
     p.add_argument("--out", type=Path, help="JSON with every round's level results")
     args = p.parse_args(argv)
