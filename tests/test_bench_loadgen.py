@@ -50,7 +50,7 @@ STREAM = [_event({"role": "assistant"}), b"\n", _event({"content": "Hel"}), b"\n
 
 def test_a_stream_is_recorded_up_to_done_and_read_to_its_end():
     async def go(record):
-        lines = _lines(*STREAM, b"0\r\n", after=0.3)  # the body ends 0.3 s after [DONE]
+        lines = _lines(*STREAM, b"0\r\n", after=0.8)  # the body ends 0.8 s after [DONE]
         await loadgen._record_stream(lines, record)
         return [rest async for rest in lines]
 
@@ -58,17 +58,17 @@ def test_a_stream_is_recorded_up_to_done_and_read_to_its_end():
     assert asyncio.run(go(record)) == []  # read to the end, past [DONE]
     assert record.text == "Hello" and record.completion_tokens == 2 and record.finish_reason == "length"
     assert record.chunks[0].t <= record.chunks[1].t <= record.end
-    assert record.ok and record.end - record.start < 0.2  # the arrival of [DONE], not the body's end
+    assert record.ok and record.end - record.start < 0.6  # the arrival of [DONE], not the body's end
 
 
 def test_a_body_that_stalls_or_fails_after_done_costs_the_connection_not_the_request(monkeypatch):
-    monkeypatch.setattr(loadgen, "DRAIN_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(loadgen, "DRAIN_TIMEOUT_S", 1.0)
     for stall, error in ((30.0, None), (0.0, aiohttp.ClientPayloadError("connection lost"))):
         record = RequestRecord(start=time.perf_counter())
         started = time.perf_counter()
         asyncio.run(loadgen._record_stream(_lines(*STREAM, after=stall, error=error), record))
         assert record.ok and record.text == "Hello" and time.perf_counter() - started < 5
-        assert record.end - started < 0.25  # the arrival of [DONE], not the end of the body's wait
+        assert record.end - started < 0.75  # the arrival of [DONE], not the end of the body's wait
 
 
 def test_a_stream_without_done_ends_with_its_body_and_an_error_event_raises():
