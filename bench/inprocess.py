@@ -69,7 +69,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m bench.inprocess")
     parser.add_argument("--backend", default="huggingface")
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--dtype", default="float32")

@@ -20,7 +20,7 @@ import threading
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m bench.lmserve_server")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--args", required=True, help="build_app args, JSON")
     parser.add_argument("--ray-temp-dir", required=True)

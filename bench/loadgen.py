@@ -6,10 +6,9 @@ in-process engine (bench/inprocess.py) are measured by the same loop.
 
 The HTTP client is aiohttp by default, as in vLLM's serving benchmark (`vllm bench serve`,
 benchmarks/backend_request_func.py) and SGLang's `bench_serving`: its path from socket to SSE
-line is short. httpx (the transport of the official `openai` client) stays selectable; on the
-project's 2-core machine it added 1.86 ms [1.11, 2.59] to the TTFT p50 of the same server, paired,
-300 rounds, both clients reusing their connections (2026-12-03, README "The load generator"):
-the client's cost, not the server's.
+line is short. httpx (the transport of the official `openai` client) stays selectable; it adds
+its own milliseconds to every TTFT it measures (the client's cost, not the server's), so compare
+servers with the same client.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def results_table(results: list[TargetResult]) -> str:
 
 
 def ratio_rows(results: list[TargetResult], levels: list[int]) -> list[tuple[str, list[str], str]]:
-    """(comparison, value per level, issue 7's target and whether this run met it)."""
+    """(comparison, value per level, lmserve's target (docs/performance.md) and whether this run met it)."""
     by_name = {r.name: r for r in results if r.status == "ok"}
 
     def tps_ratio(a: str, b: str) -> list[float | None]:
@@ -79,7 +79,7 @@ def ratio_rows(results: list[TargetResult], levels: list[int]) -> list[tuple[str
 
 
 def ratios_table(results: list[TargetResult], levels: list[int]) -> str:
-    head = "| comparison | " + " | ".join(f"{c} stream{'s' if c > 1 else ''}" for c in levels) + " | issue 7 target |"
+    head = "| comparison | " + " | ".join(f"{c} stream{'s' if c > 1 else ''}" for c in levels) + " | target |"
     sep = "|---|" + "--:|" * len(levels) + "---|"
     return "\n".join([head, sep] + [f"| {name} | " + " | ".join(vals) + f" | {target} |"
                                     for name, vals, target in ratio_rows(results, levels)])

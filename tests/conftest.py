@@ -14,6 +14,23 @@ import pytest
 
 from engines.server_process import free_port
 
+
+def pytest_addoption(parser):
+    parser.addoption("--run-bench", action="store_true",
+                     help="also run the tests marked `bench` (the lab probes under bench/lab/)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect `bench`-marked tests unless --run-bench: they test developers' probes, not the
+    product. A hook rather than `-m "not bench"` in addopts, which a user's own `-m` would replace."""
+    if config.getoption("--run-bench"):
+        return
+    lab = [item for item in items if item.get_closest_marker("bench")]
+    if lab:
+        config.hook.pytest_deselected(items=lab)
+        items[:] = [item for item in items if not item.get_closest_marker("bench")]
+
+
 TEST_API_KEY = "lmserve-test-key"
 # The fields `infer_backend: ktransformers` needs (EngineConfig refuses it without them).
 KT_FIELDS = {"kt_weight_path": "/models/experts-int4", "kt_method": "AMXINT4", "kt_cpuinfer": 16,

@@ -1,10 +1,12 @@
-"""`python -m bench.chunked_prefill`: its long prompt and its table (the probe itself is a benchmark)."""
+"""`python -m bench.lab.chunked_prefill`: its long prompt and its table (the probe itself is a benchmark)."""
 
 import argparse
 
 import pytest
 
-from bench.chunked_prefill import PROMPTS, long_prompt, table
+from bench.lab.chunked_prefill import PROMPTS, long_prompt, table
+
+pytestmark = pytest.mark.bench  # a lab probe's test: run with --run-bench
 
 
 @pytest.mark.slow  # loads the real tokenizer

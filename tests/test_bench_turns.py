@@ -1,4 +1,4 @@
-"""`python -m bench.turns`: freezing a server's whole process tree and the per-round ratios it
+"""`python -m bench.lab.turns`: freezing a server's whole process tree and the per-round ratios it
 reports. Real processes, no model."""
 
 import signal
@@ -6,9 +6,12 @@ import subprocess
 import time
 
 import psutil
+import pytest
 
+from bench.lab.turns import process_tree, signal_tree, table, turn_rows
 from bench.metrics import LevelResult
-from bench.turns import process_tree, signal_tree, table, turn_rows
+
+pytestmark = pytest.mark.bench  # a lab probe's test: run with --run-bench
 
 
 def _level(concurrency: int, tokens_per_s: float, failed: int = 0) -> LevelResult:

@@ -1,8 +1,8 @@
-"""The requests of the GPU checks (bench/gpu_check.sh, bench/gpu_check_sglang.sh): wait for the
+"""The requests of the GPU checks (bench/lab/gpu_check.sh, bench/lab/gpu_check_sglang.sh): wait for the
 model to answer, then a plain, a stop-string, an n=2, optionally a logprobs, and a streamed
 request (256 tokens, ignore_eos), printing the answers, TTFT and tokens/s.
 
-    python bench/gpu_check_requests.py --port 8013 --model smollm2-vllm --seed 1 --server-log LOG
+    python -m bench.lab.gpu_check_requests --port 8013 --model smollm2-vllm --seed 1 --server-log LOG
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.gpu_check_requests", description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--seed", type=int, help="seed of the n=2 request (leave out for backends without seeds)")

@@ -1,4 +1,4 @@
-"""A long prompt arriving while other requests decode: `python -m bench.chunked_prefill`.
+"""A long prompt arriving while other requests decode: `python -m bench.lab.chunked_prefill`.
 
 The huggingface backend prefills a long prompt in chunks of `hf_chunked_prefill_size` tokens and
 decodes the running requests between chunks (engines/continuous_batching.py). This probe measures
@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-PROMPTS = Path(__file__).with_name("prompts.json")
+PROMPTS = Path(__file__).resolve().parent.parent / "prompts.json"
 
 
 def long_prompt(renderer, prompts: list[str], tokens: int) -> list[int]:
@@ -143,7 +143,7 @@ async def main(opts: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.chunked_prefill", description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[-1, 2048, 1024, 512, 256],
                         help="hf_chunked_prefill_size values, the first is the baseline (default -1,2048,1024,512,256)")
     parser.add_argument("--streams", type=int, default=8, help="requests decoding when the long prompt arrives")

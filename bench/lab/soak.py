@@ -1,6 +1,6 @@
 """Bounded soak: lmserve under about twice the load it can carry, then a health check.
 
-    python -m bench.soak [--duration 120] [--overload 2.0] [--max-tokens 64]
+    python -m bench.lab.soak [--duration 120] [--overload 2.0] [--max-tokens 64]
 
 Starts `lmserve serve` on a generated config (the default model, huggingface backend, one
 replica, lmserve's default `max_ongoing_requests` / `max_queued_requests`), measures its capacity
@@ -113,7 +113,7 @@ def wait_ready(base: str, deadline: float) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.soak", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=120, help="seconds of overload")
     parser.add_argument("--overload", type=float, default=2.0, help="arrival rate / measured capacity")
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -1,19 +1,18 @@
-"""HTTP targets in turns, each alone on the machine: `python -m bench.turns`.
+"""HTTP targets in turns, each alone on the machine: `python -m bench.lab.turns`.
 
-    python -m bench.turns --targets lmserve-vllm,vllm-serve --levels 1,4,16,32 --rounds 3
+    python -m bench.lab.turns --targets lmserve-vllm,vllm-serve --levels 1,4,16,32 --rounds 3
 
 `python -m bench` runs its targets one after the other, so the ratio of two of them also holds
 how this shared machine drifted between their runs (10-30 % on 2 cores). Here every target is
 started once and kept up; each level then runs on one target at a time while every process of
 the others is stopped with SIGSTOP (an idle Ray cluster or vLLM engine beside a target takes
-CPU from it on 2 cores: bench/results/performance-log.md, "One after the other"), target after
-target, the order reversed every other round. So a level's runs on two targets are minutes apart,
+CPU from it on 2 cores), target after target, the order reversed every other round. So a level's runs on two targets are minutes apart,
 not half an hour, and neither has the other beside it. After each thaw a target must answer a
 short request before its level starts.
 
 It prints, per level, each target's aggregate output tok/s (median over rounds), TTFT and ITL
 p50 (over all its requests at that level), and the ratio of the first target to each other one
-per round with its median: the `≥ 0.9×` comparisons of issue 7, drift removed. `--out` writes
+per round with its median: the `≥ 0.9×` targets of docs/performance.md, drift removed. `--out` writes
 every round's `bench.metrics.LevelResult`s as JSON. The targets are `python -m bench`'s HTTP
 targets (bench/targets.py: `lmserve-hf`, `lmserve-vllm`, `vllm-serve`, `llamafactory`), started
 as it starts them; the load is its closed-loop streaming chat (bench/loadgen.py).
@@ -131,7 +130,7 @@ def table(levels: list[int], targets: list[str], runs: dict[str, dict[int, list[
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.turns", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.lab.turns", description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", default="lmserve-vllm,vllm-serve",
                    help=f"comma-separated, at least two, from {', '.join(HTTP_TARGETS)}; ratios are first / each other")
     p.add_argument("--levels", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16, 32])

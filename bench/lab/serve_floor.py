@@ -1,8 +1,8 @@
-"""Ray Serve's own cost for one streamed request, on lmserve's topology: `python -m bench.serve_floor`.
+"""Ray Serve's own cost for one streamed request, on lmserve's topology: `python -m bench.lab.serve_floor`.
 
-Issue 7 asks for at most 5 ms of time to first token (TTFT) added by serving at one stream. This
-probe measures what the serving framework alone costs on this machine, so lmserve's overhead
-(`python -m bench.overhead`) can be split into the framework's part and lmserve's own.
+lmserve's target is at most 5 ms of time to first token (TTFT) added by serving at one stream
+(docs/performance.md). This probe measures what the serving framework alone costs on this machine, so lmserve's overhead
+(`python -m bench.lab.overhead`) can be split into the framework's part and lmserve's own.
 
 It starts a private Ray cluster in the mode `lmserve serve` uses (deployments.constants.
 RAY_HIGH_THROUGHPUT_ENV: HAProxy -> the ingress replica's own HTTP server -> gRPC -> a second
@@ -17,7 +17,7 @@ replica) and deploys two small deployments in lmserve's layout:
 the ingress -> model hop costs. `--lmserve` deploys that one and lmserve's own direct-streaming
 deployment (`DirectStreamingServer`, the real ingress code and tokenizer) over an engine that
 answers at once, and sends to them in turns: the paired difference is lmserve's own code on the
-path of a request, without the prefill whose spread (~30 ms) hides it in `bench.overhead`.
+path of a request, without the prefill whose spread (~30 ms) hides it in `bench.lab.overhead`.
 The same load generator as `python -m bench` (bench.loadgen) sends `--rounds` requests one at a
 time and prints the TTFT p50/p95 and the end-to-end latency: everything in it is framework and
 HTTP, since the "model" answers in microseconds.
@@ -173,7 +173,7 @@ async def _measure(urls: dict[str, str], rounds: int, warmup: int, client: str =
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.serve_floor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--one-hop", action="store_true",

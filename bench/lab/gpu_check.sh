@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# GPU check of the vllm backend (issue 3, item 7): on a machine with an NVIDIA GPU, in under ten
+# GPU check of the vllm backend: on a machine with an NVIDIA GPU, in under ten
 # minutes, install lmserve with the CUDA vLLM, serve the default model through Ray Serve with
 # `infer_backend: vllm` on the GPU, send a few requests (plain, streamed, stop string, n=2) and
 # print the answers and tokens/s. Output also goes to bench/results/gpu_check-<date>.txt.
 #
-#   bash bench/gpu_check.sh            # run from the repository root
+#   bash bench/lab/gpu_check.sh            # run from the repository root
 #
-# Not yet run: no GPU machine was available to the session that wrote it.
+# Not yet run on a GPU: until it runs, the backend is tested on CPUs only (docs/performance.md).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mkdir -p bench/results
 out="bench/results/gpu_check-$(date +%Y%m%d-%H%M%S).txt"
 exec > >(tee "$out") 2>&1
@@ -39,6 +39,6 @@ LMSERVE_VLLM_DEVICE=cuda "$venv/bin/python" -m deployments.cli serve "$config" >
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
 
-"$venv/bin/python" bench/gpu_check_requests.py --port "$port" --model smollm2-vllm --seed 1 \
+"$venv/bin/python" -m bench.lab.gpu_check_requests --port "$port" --model smollm2-vllm --seed 1 \
   --server-log /tmp/gpu_check_server.log
 echo "output written to $out"

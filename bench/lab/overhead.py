@@ -1,6 +1,6 @@
-"""Serving overhead at one stream, measured interleaved: `python -m bench.overhead`.
+"""Serving overhead at one stream, measured interleaved: `python -m bench.lab.overhead`.
 
-Issue 7's overhead target compares lmserve's time to first token with the in-process engine's.
+The overhead target (docs/performance.md) compares lmserve's time to first token with the in-process engine's.
 Measured one target after the other (as `python -m bench` does), the difference is of the same
 size as the drift of a shared 2-core machine. This probe keeps every variant up at once and sends
 its requests round-robin, one at a time, so each variant sees the same machine state:
@@ -207,7 +207,7 @@ async def main(opts: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the sglang backend (issue 4, item 7): on a machine with an NVIDIA GPU, in under ten
+# GPU check of the sglang backend: on a machine with an NVIDIA GPU, in under ten
 # minutes, install the real SGLang in a virtual environment of its own (sglang 0.5.23 pins
 # torch==2.14.1 and transformers==5.19.0, which cannot share lmserve's environment), serve the
 # default model through Ray Serve with `infer_backend: sglang` (the replica launches
@@ -7,11 +7,11 @@
 # (plain, streamed, stop string, n=2, logprobs) and print the answers and tokens/s.
 # Output also goes to bench/results/gpu_check_sglang-<date>.txt.
 #
-#   bash bench/gpu_check_sglang.sh            # run from the repository root
+#   bash bench/lab/gpu_check_sglang.sh            # run from the repository root
 #
-# Not yet run: no GPU machine was available to the session that wrote it.
+# Not yet run on a GPU: until it runs, the backend is tested on CPUs only (docs/performance.md).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mkdir -p bench/results
 out="bench/results/gpu_check_sglang-$(date +%Y%m%d-%H%M%S).txt"
 exec > >(tee "$out") 2>&1
@@ -48,6 +48,6 @@ YAML
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
 
-"$venv/bin/python" bench/gpu_check_requests.py --port "$port" --model smollm2-sglang --logprobs \
+"$venv/bin/python" -m bench.lab.gpu_check_requests --port "$port" --model smollm2-sglang --logprobs \
   --server-log /tmp/gpu_check_sglang_server.log
 echo "server log: /tmp/gpu_check_sglang_server.log; output written to $out"

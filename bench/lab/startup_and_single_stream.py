@@ -1,6 +1,6 @@
 """Time from `serve run serve_config.yaml` to the first answer, then single-stream speed.
 
-    python -m bench.startup_and_single_stream [--config serve_config.yaml] [--requests 5]
+    python -m bench.lab.startup_and_single_stream [--config serve_config.yaml] [--requests 5]
 
 Starts `serve run` as a child process (a local Ray cluster), polls the chat API until it answers
 "What is the capital of France?", then sends streamed requests one at a time (128 new tokens,
@@ -55,7 +55,7 @@ def single_stream(client: openai.OpenAI, model: str, requests: int, max_tokens: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.startup_and_single_stream")
     parser.add_argument("--config", default="serve_config.yaml")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--port", type=int, default=8000)

@@ -1,0 +1,15 @@
+"""Lab probes: measurements a developer runs to find out where time goes, one question each.
+
+    python -m bench.lab.overhead           # TTFT added by serving at 1 stream, variants interleaved
+    python -m bench.lab.serve_floor        # Ray Serve's own TTFT on lmserve's topology, no model
+    python -m bench.lab.turns              # HTTP targets in turns, each alone on the machine
+    python -m bench.lab.chunked_prefill    # a long prompt arriving while other requests decode
+    python -m bench.lab.soak               # twice the load lmserve can carry, then a health check
+    python -m bench.lab.startup_and_single_stream   # `serve run` to first answer, then 1 stream
+    bash bench/lab/gpu_check.sh            # the vllm backend on an NVIDIA GPU
+    bash bench/lab/gpu_check_sglang.sh     # the sglang backend on an NVIDIA GPU
+
+They share `python -m bench`'s load generator, metrics and server handling (bench/loadgen.py,
+bench/metrics.py, bench/servers.py, bench/targets.py). They print numbers; nothing here is a
+test, and the product never imports them.
+"""
