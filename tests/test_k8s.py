@@ -1,4 +1,4 @@
-"""k8s/ tells the same story as serve_config.yaml, the code and the README.
+"""k8s/ tells the same story as serve_config.yaml, the code and docs/operations.md.
 
 The RayService is validated against KubeRay's CRD schemas (their `openAPIV3Schema`, with
 `jsonschema`), plus a strict pass that refuses fields the schema does not know, which is what
@@ -221,17 +221,18 @@ def test_keda_example_targets_its_deployment():
     assert f"--metrics-export-port={METRICS_PORT}" in args and "serve_config.yaml" in args
 
 
-# ---- README and Dockerfile ----------------------------------------------------------------
+# ---- docs/operations.md and Dockerfile -----------------------------------------------------
 
 def _readme() -> str:
-    return (ROOT / "README.md").read_text()
+    """docs/operations.md, where the metrics table and the image build are documented."""
+    return (ROOT / "docs" / "operations.md").read_text()
 
 
 def test_readme_documents_every_metric_and_no_other():
     readme = _readme()
     for spec in METRICS:
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{spec.prometheus_name}`")), None)
-        assert row is not None, f"README has no row for {spec.prometheus_name}"
+        assert row is not None, f"docs/operations.md has no row for {spec.prometheus_name}"
         assert spec.kind in row and spec.unit in row
         assert all(f"`{label}`" in row for label in spec.labels)
     mentioned = set(re.findall(r"\bray_lmserve_[a-z0-9_]+", readme))

@@ -35,7 +35,8 @@ def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    # The PIL image processor: torchvision must stay out of this environment (DESIGN.md).
+    # The PIL image processor: torchvision must stay out of this environment (beside the CPU torch
+    # it fails to import; docs/backends.md).
     image_processor = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
                                             crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
