@@ -157,7 +157,7 @@ def lmserve_spec(backend: str, s: Settings, port: int) -> ServerSpec:
     temp_dir = tempfile.mkdtemp(prefix="lmbench-ray-")
     # The topology of serve_config.yaml (direct streaming for its one model), unless
     # LMSERVE_DIRECT_STREAMING=0 asks for the ingress -> model layout.
-    from deployments.constants import direct_streaming_env
+    from deployments.settings import direct_streaming_env
 
     cmd = [str(python), "-m", "bench.lmserve_server", "--port", str(port), "--ray-temp-dir", temp_dir,
            "--args", json.dumps({"models": [entry], "direct_streaming": direct_streaming_env(True)})]

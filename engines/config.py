@@ -377,10 +377,11 @@ def load_config_file(path: str, overrides: list[str] | None = None) -> EngineCon
 
 
 def format_validation_error(exc: ValidationError, source: str | None = None, what: str = "engine config") -> str:
-    """One line: `source: invalid <what>: ` and one part per pydantic error, each naming its field."""
+    """One line: `source: invalid <what>: ` and one part per pydantic error, each naming its field
+    (a path such as `models[0].deployment.num_replicas`)."""
     lines = []
     for err in exc.errors():
-        field = ".".join(str(part) for part in err["loc"])
+        field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in err["loc"]).lstrip(".")
         if not field:  # a check across fields: its message names them
             lines.append(err["msg"].removeprefix("Value error, "))
         elif err["type"] == "extra_forbidden":

@@ -230,7 +230,7 @@ def serve_url(model_dir, lora_dir, metrics_port):
 
     from deployments.app import build_app
 
-    from deployments.constants import apply_ray_high_throughput_env
+    from deployments.cluster_env import apply_ray_high_throughput_env
 
     for key, value in TEST_RAY_ENV.items():
         os.environ.setdefault(key, value)

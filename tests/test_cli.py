@@ -90,7 +90,7 @@ def test_check_validates_llamafactory_yamls_with_overrides_and_serve_configs(tmp
 
 
 def test_clusters_start_in_ray_serve_high_throughput_mode_unless_the_environment_says_otherwise():
-    from deployments.constants import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
+    from deployments.cluster_env import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
 
     environ: dict[str, str] = {}
     assert apply_ray_high_throughput_env(environ) == environ
@@ -250,7 +250,7 @@ def test_second_cluster_ports_avoid_a_port_held_with_so_reuseport(monkeypatch):
     import socket
 
     import engines.server_process
-    from deployments.constants import second_cluster_ports_env
+    from deployments.cluster_env import second_cluster_ports_env
 
     with socket.socket() as held:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -277,7 +277,7 @@ def test_second_cluster_ports_cover_every_fixed_serve_port():
     test once got the test session's 401."""
     from ray.serve._private import constants as serve_constants
 
-    from deployments.constants import RAY_SERVE_DEFAULT_PORTS, second_cluster_ports_env
+    from deployments.cluster_env import RAY_SERVE_DEFAULT_PORTS, second_cluster_ports_env
 
     ray_defaults = {name: getattr(serve_constants, name) for name in dir(serve_constants)
                     if name.startswith("RAY_SERVE_") and name.endswith("_PORT")
@@ -291,14 +291,14 @@ def test_second_cluster_ports_cover_every_fixed_serve_port():
 def test_a_new_cluster_takes_its_own_ports_only_when_another_holds_the_defaults(monkeypatch):
     import socket
 
-    from deployments import constants
-    from deployments.constants import PortsInUseError, apply_own_serve_ports_if_taken
+    from deployments import cluster_env
+    from deployments.cluster_env import PortsInUseError, apply_own_serve_ports_if_taken
 
     # Stand-ins for Ray Serve's default ports, free now (the test session's cluster may hold the real ones).
-    defaults = {name: free_port() for name in constants.RAY_SERVE_DEFAULT_PORTS}
+    defaults = {name: free_port() for name in cluster_env.RAY_SERVE_DEFAULT_PORTS}
     for kind in ("HTTP", "GRPC"):  # ranges of one port
         defaults[f"RAY_SERVE_DIRECT_INGRESS_MAX_{kind}_PORT"] = defaults[f"RAY_SERVE_DIRECT_INGRESS_MIN_{kind}_PORT"]
-    monkeypatch.setattr(constants, "RAY_SERVE_DEFAULT_PORTS", defaults)
+    monkeypatch.setattr(cluster_env, "RAY_SERVE_DEFAULT_PORTS", defaults)
     http_port = free_port()
     assert apply_own_serve_ports_if_taken(http_port, {}) == {}  # no other cluster: Ray's defaults
     with socket.socket() as fallback:  # another cluster's fallback proxy (SO_REUSEPORT, as Ray binds it)

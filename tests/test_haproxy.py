@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deployments.constants import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
+from deployments.cluster_env import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
 from deployments.haproxy import HAPROXY_BINARY_ENV, LAUNCHER_NAME, launcher_path, real_haproxy_binary
 from engines.server_process import free_port
 

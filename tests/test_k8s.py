@@ -138,8 +138,8 @@ def test_rayservice_shape_head_cpu_gpu_autoscaling_resources_probes():
 
 def test_every_pod_runs_ray_serve_high_throughput_mode():
     """Ray reads these in every process (controller, HAProxy manager, replicas): every pod sets them,
-    with the values `lmserve serve` uses (deployments.constants.RAY_HIGH_THROUGHPUT_ENV)."""
-    from deployments.constants import RAY_HIGH_THROUGHPUT_ENV
+    with the values `lmserve serve` uses (deployments.cluster_env.RAY_HIGH_THROUGHPUT_ENV)."""
+    from deployments.cluster_env import RAY_HIGH_THROUGHPUT_ENV
 
     for template in _pod_templates(_rayservice()):
         for c in template["spec"]["containers"]:

@@ -8,7 +8,7 @@ its requests round-robin, one at a time, so each variant sees the same machine s
 - `inprocess`: the huggingface engine in this process (no Ray, no HTTP);
 - `lmserve`: `bench.lmserve_server` as `lmserve serve serve_config.yaml` runs it, in Ray Serve's
   high-throughput mode with direct streaming (HAProxy on the HTTP port -> the model replica's own
-  HTTP server, which runs the engine; see deployments.constants.RAY_HIGH_THROUGHPUT_ENV and
+  HTTP server, which runs the engine; see deployments.cluster_env.RAY_HIGH_THROUGHPUT_ENV and
   deployments/direct_streaming.py);
 - `lmserve-two-hop`: the same with an ingress deployment in front of the model's (HAProxy -> the
   ingress replica's HTTP server -> gRPC -> model replica), as for several models;

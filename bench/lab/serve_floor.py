@@ -4,7 +4,7 @@ lmserve's target is at most 5 ms of time to first token (TTFT) added by serving 
 (docs/performance.md). This probe measures what the serving framework alone costs on this machine, so lmserve's overhead
 (`python -m bench.lab.overhead`) can be split into the framework's part and lmserve's own.
 
-It starts a private Ray cluster in the mode `lmserve serve` uses (deployments.constants.
+It starts a private Ray cluster in the mode `lmserve serve` uses (deployments.cluster_env.
 RAY_HIGH_THROUGHPUT_ENV: HAProxy -> the ingress replica's own HTTP server -> gRPC -> a second
 replica) and deploys two small deployments in lmserve's layout:
 
@@ -184,7 +184,7 @@ def main() -> int:
                              "interleaved with the one-hop floor")
     opts = parser.parse_args()
 
-    from deployments.constants import apply_ray_high_throughput_env, second_cluster_ports_env
+    from deployments.cluster_env import apply_ray_high_throughput_env, second_cluster_ports_env
     from engines.server_process import free_port
 
     port = free_port()
