@@ -4,11 +4,13 @@ status code and OpenAI's error body; one after it is an error event in the strea
 `[DONE]`; the deadline (`request_timeout_s`) stops the engine's request; API keys; unknown models."""
 
 import asyncio
+import json
 
 import openai
 import pytest
 
-from fake_engine import FakeEngine, Reply, openai_client, serve_fake, sse_events, tiny_model_dir  # noqa: F401
+from fake_engine import (FakeEngine, Reply, build_fake_app, openai_client, serve_fake, sse_events,  # noqa: F401
+                         tiny_model_dir)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT = {"model": "fake", "messages": QUESTION}
@@ -182,3 +184,38 @@ def test_a_bad_request_is_a_400_naming_the_field(tiny_model_dir, body, param):
     assert r.status_code == 400
     assert_openai_error(r.json(), "invalid_request_error", param)
     assert engine.requests == []  # refused before the engine
+
+
+def test_a_client_that_goes_away_mid_stream_stops_the_engine_s_request(tiny_model_dir):
+    """Driven at the ASGI level (httpx's transport cannot hang up): the client disconnects once
+    the first body part has arrived."""
+    engine = FakeEngine(Reply([[f" w{i}" for i in range(200)]], delay_s=0.01))
+    raw = json.dumps({**CHAT, "stream": True}).encode()
+
+    async def main():
+        app = await build_fake_app(engine, tiny_model_dir)
+        bodies, requested = [], [False]
+
+        async def receive():
+            if not requested[0]:
+                requested[0] = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            while not bodies:  # hang up once the stream has begun
+                await asyncio.sleep(0.005)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                bodies.append(message["body"])
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "root_path": "", "query_string": b"", "server": ("lmserve.test", 80), "client": ("127.0.0.1", 1),
+                 "headers": [(b"host", b"lmserve.test"), (b"content-type", b"application/json"),
+                             (b"content-length", str(len(raw)).encode())]}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        return bodies
+
+    bodies = asyncio.run(main())
+    assert bodies and b"[DONE]" not in b"".join(bodies)  # it stopped well before the end
+    assert engine.cancelled == [engine.requests[0].request_id]
