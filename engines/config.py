@@ -121,15 +121,23 @@ class EngineConfig(BaseModel):
     template: str | None = Field(
         None, description="Chat template: None uses the tokenizer's own chat template."
     )
-    infer_backend: InferBackend = "huggingface"
+    infer_backend: InferBackend = Field(
+        "huggingface", description="The engine: `huggingface` (transformers, in the replica), `vllm`, `sglang` "
+        "(an SGLang server child process) or `ktransformers` (SGLang with kt-kernel: MoE experts on the CPU).")
     infer_dtype: InferDtype = Field(
-        "auto", description="auto = the model's dtype where the device supports it."
+        "auto", description="Compute dtype. `auto`: the model's dtype where the device computes in it natively, "
+        "else float32 (huggingface); float32 on CPU and vLLM's rule on GPUs (vllm), since bfloat16 on CPU "
+        "changes the default model's greedy answers. `float16`/`bfloat16`/`float32` force it."
     )
-    use_kv_cache: bool = True
-    trust_remote_code: bool = False
+    use_kv_cache: bool = Field(True, description="`false` recomputes the whole sequence every step (slow; for "
+                               "debugging; huggingface backend).")
+    trust_remote_code: bool = Field(False, description="Passed to transformers (and vLLM/SGLang) when loading "
+                                    "the model and tokenizer.")
     default_system: str | None = Field(None, description="System prompt used when none is given.")
-    enable_thinking: bool | None = True
-    preserve_thinking: bool = False
+    enable_thinking: bool | None = Field(True, description="Passed to chat templates that read it (Qwen3-style "
+                                         "reasoning models), as LLaMA-Factory does.")
+    preserve_thinking: bool = Field(False, description="LLaMA-Factory's field; accepted. lmserve renders earlier "
+                                    "turns as the chat template does.")
 
     # lmserve: continuous batching on the huggingface backend (LLaMA-Factory serves one at a time).
     hf_max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together per replica.")
@@ -154,21 +162,30 @@ class EngineConfig(BaseModel):
     image_min_pixels: int = Field(32 * 32, gt=0, description="Smaller images are scaled up to this many pixels.")
 
     # --- vLLM (LLaMA-Factory VllmArguments) ---
-    vllm_maxlen: int = Field(4096, gt=0)
-    vllm_gpu_util: float = Field(0.7, gt=0, le=1)
-    vllm_enforce_eager: bool = False
-    vllm_max_lora_rank: int = Field(32, gt=0)
-    vllm_config: dict[str, Any] | str | None = None
+    vllm_maxlen: int = Field(4096, gt=0, description="vLLM `max_model_len` (tokens: prompt + output), cut to "
+                             "the model's own context length with a warning.")
+    vllm_gpu_util: float = Field(0.7, gt=0, le=1, description="vLLM `gpu_memory_utilization`; on CPU the "
+                                 "fraction of RAM to reserve unless `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the KV cache.")
+    vllm_enforce_eager: bool = Field(False, description="vLLM `enforce_eager`: no torch.compile, no CUDA graphs; "
+                                     "starts sooner, decodes slower.")
+    vllm_max_lora_rank: int = Field(32, gt=0, description="vLLM `max_lora_rank`: the largest LoRA rank served.")
+    vllm_config: dict[str, Any] | str | None = Field(
+        None, description="Any other vLLM engine arguments (a mapping, or JSON text), merged last so they win.")
     # lmserve: parallelism for vLLM (LLaMA-Factory only exposes it through vllm_config).
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel ranks (one GPU each; more than "
+                                      "one runs vLLM's Ray executor in the replica's placement group).")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallel stages (one GPU per rank).")
 
     # --- SGLang (LLaMA-Factory SGLangArguments) ---
-    sglang_maxlen: int = Field(4096, gt=0)
-    sglang_mem_fraction: float = Field(0.7, gt=0, le=1)
-    sglang_tp_size: int = -1
-    sglang_config: dict[str, Any] | str | None = None
-    sglang_lora_backend: Literal["triton", "flashinfer"] = "triton"
+    sglang_maxlen: int = Field(4096, gt=0, description="SGLang `--context-length` (tokens), cut to the model's "
+                               "own context length with a warning.")
+    sglang_mem_fraction: float = Field(0.7, gt=0, le=1, description="SGLang `--mem-fraction-static`: the "
+                                       "fraction of GPU memory for weights and KV cache.")
+    sglang_tp_size: int = Field(-1, description="SGLang `--tp-size`; -1 = every GPU visible to the replica.")
+    sglang_config: dict[str, Any] | str | None = Field(
+        None, description="Any other SGLang server arguments (a mapping, or JSON text), added as flags last.")
+    sglang_lora_backend: Literal["triton", "flashinfer"] = Field(
+        "triton", description="SGLang `--lora-backend` for LoRA adapters.")
     # lmserve: how the SGLang server child process is started and supervised.
     sglang_launch_command: list[str] | None = Field(
         None, description="Command that starts the server, before the flags lmserve derives from this "
@@ -190,10 +207,11 @@ class EngineConfig(BaseModel):
     kt_threadpool_count: int | None = Field(None, gt=0, description="NUMA thread pools -> --kt-threadpool-count")
     kt_num_gpu_experts: int | None = Field(None, ge=0, description="experts per MoE layer kept on the GPU "
                                            "-> --kt-num-gpu-experts")
-    kt_expert_checkpoint_path: str | None = None
-    kt_use_lora_experts: bool | None = None
-    kt_lora_expert_num: int | None = None
-    kt_lora_expert_intermediate_size: int | None = None
+    kt_expert_checkpoint_path: str | None = Field(None, description="LLaMA-Factory training option; refused when set.")
+    kt_use_lora_experts: bool | None = Field(None, description="LLaMA-Factory training option; refused when set.")
+    kt_lora_expert_num: int | None = Field(None, description="LLaMA-Factory training option; refused when set.")
+    kt_lora_expert_intermediate_size: int | None = Field(
+        None, description="LLaMA-Factory training option; refused when set.")
 
     # --- reward models (LLaMA-Factory FinetuningArguments.stage) ---
     stage: Literal["pt", "sft", "rm", "ppo", "dpo", "kto"] = Field(
@@ -201,13 +219,16 @@ class EngineConfig(BaseModel):
         "value head and served on /v1/score/evaluation only (LLaMA-Factory: can_generate = stage == 'sft').")
 
     # --- generation defaults (LLaMA-Factory GeneratingArguments) ---
-    do_sample: bool = True
-    temperature: float = Field(0.95, ge=0)
-    top_p: float = Field(0.7, gt=0, le=1)
-    top_k: int = Field(50, ge=0)
-    max_new_tokens: int = Field(1024, gt=0)
-    repetition_penalty: float = Field(1.0, gt=0)
-    skip_special_tokens: bool = True
+    # Defaults for requests that leave a sampling parameter unset.
+    do_sample: bool = Field(True, description="`false` = greedy decoding for requests that set no temperature.")
+    temperature: float = Field(0.95, ge=0, description="Sampling temperature of requests that set none.")
+    top_p: float = Field(0.7, gt=0, le=1, description="Nucleus sampling probability of requests that set none.")
+    top_k: int = Field(50, ge=0, description="Top-k sampling of requests that set none; 0 = off.")
+    max_new_tokens: int = Field(1024, gt=0, description="Most tokens generated for requests that set no "
+                                "`max_tokens` (tokens).")
+    repetition_penalty: float = Field(1.0, gt=0, description="Repetition penalty of requests that set none; "
+                                      "1.0 = off.")
+    skip_special_tokens: bool = Field(True, description="Drop special tokens from the output text.")
 
     # --- accepted for LLaMA-Factory compatibility, no effect when serving ---
     extra_inert: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
