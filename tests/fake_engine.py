@@ -40,6 +40,7 @@ from engines.base import (
 from engines.config import EngineConfig
 
 BASE_URL = "http://lmserve.test"
+EOS_TOKEN = "<|im_end|>"  # ends every choice that does not stop before its pieces run out
 MAX_MODEL_LEN = 1024  # tokens; bytes of the rendered prompt with the tiny byte-level tokenizer
 
 # ChatML as Qwen 2.5 renders it, tools included (Hermes: `<tools>` in the system turn, calls
@@ -105,9 +106,10 @@ class Reply:
     """What `FakeEngine` generates for one request.
 
     Attributes:
-        choices: each choice's output as text pieces, one token per piece, until the end of its
-            turn (finish reason "stop"). Choice `i` of a request with `n` choices takes
-            `choices[i % len(choices)]`.
+        choices: each choice's output as text pieces, one token per piece; the end-of-turn
+            token (`EOS_TOKEN`, counted in `usage` as engines count it) follows the last piece
+            and ends the choice with finish reason "stop". Choice `i` of a request with `n`
+            choices takes `choices[i % len(choices)]`.
         error: raised by `generate` (an `engines.base.EngineError` as engines raise, or any
             exception for an engine that crashes).
         error_after: deltas yielded before `error` is raised (0: before the first).
@@ -218,13 +220,13 @@ class FakeEngine(Engine):
                  ) -> GenerationDelta | None:
         """One more token of `choice`: its delta, or None while text is held back (it could be
         the start of a stop string, as engines hold it)."""
-        if not choice.pieces:  # end of turn: the end-of-turn token itself is not output
-            choice.finish_reason = "stop"
-            return self._delta(choice, len(choice.text))
-        piece = choice.pieces.pop(0)
+        piece = choice.pieces.pop(0) if choice.pieces else EOS_TOKEN
         choice.tokens += 1
         if logprobs is not None:
             choice.pending_logprobs.append(self._logprob(choice.tokens, piece, logprobs))
+        if piece == EOS_TOKEN:  # end of turn: a generated token (counted, with logprobs), not output text
+            choice.finish_reason = "stop"
+            return self._delta(choice, len(choice.text))
         choice.text += piece
         longest = max(map(len, stop), default=0)
         hits = [(pos, s) for s in stop if (pos := choice.text.find(s, max(0, choice.emitted_chars - longest + 1))) != -1]

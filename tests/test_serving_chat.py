@@ -4,7 +4,7 @@ through HTTP and the official `openai` client; no model, no Ray. SSE framing, us
 
 import asyncio
 
-from fake_engine import (FakeEngine, Reply, openai_client, prompt_text, serve_fake, sse_events,  # noqa: F401
+from fake_engine import (EOS_TOKEN, FakeEngine, Reply, openai_client, prompt_text, serve_fake, sse_events,  # noqa: F401
                          tiny_model_dir)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -59,8 +59,9 @@ def test_streamed_text_finish_and_usage_match_the_full_response(tiny_model_dir):
         prompt_tokens = len(engine.requests[0].prompt_token_ids)
         assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
         assert full.choices[0].message.content == "".join(ANSWER) and full.choices[0].finish_reason == "stop"
-        assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_tokens, len(ANSWER))
-        assert full.usage.total_tokens == prompt_tokens + len(ANSWER)
+        completion_tokens = len(ANSWER) + 1  # the end-of-turn token is generated too
+        assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_tokens, completion_tokens)
+        assert full.usage.total_tokens == prompt_tokens + completion_tokens
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
         # usage in the last chunk only, which has no choices (OpenAI's `include_usage`)
@@ -100,7 +101,7 @@ def test_n_choices_have_their_index_finish_reason_and_shared_usage(tiny_model_di
     assert [c["index"] for c in full["choices"]] == [0, 1]
     assert [c["message"]["content"] for c in full["choices"]] == ["Paris.", "".join(long[:5])]
     assert [c["finish_reason"] for c in full["choices"]] == ["stop", "length"]
-    assert full["usage"]["completion_tokens"] == 2 + 5
+    assert full["usage"]["completion_tokens"] == (2 + 1) + 5  # choice 0: its pieces and the end-of-turn token
     chunks = events[:-1]
     assert [c["index"] for c in chunks[0]["choices"]] == [0, 1]  # one role delta per choice
     assert all(c["delta"]["role"] == "assistant" for c in chunks[0]["choices"])
@@ -190,7 +191,7 @@ def test_chat_logprobs_one_per_token_streamed_and_not(tiny_model_dir):
 
     full, chunks = asyncio.run(main())
     content = full.choices[0].logprobs.content
-    assert [t.token for t in content] == ANSWER and len(content) == full.usage.completion_tokens
+    assert [t.token for t in content] == [*ANSWER, EOS_TOKEN] and len(content) == full.usage.completion_tokens
     assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token for t in content)
     assert content[0].bytes == list(ANSWER[0].encode())
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]

@@ -55,8 +55,9 @@ def test_completion_logprobs_and_text_offsets_continue_across_chunks(tiny_model_
     async def main():
         async with serve_fake(FakeEngine(Reply([OUTPUT])), tiny_model_dir) as http:
             client = openai_client(http)
-            full = await client.completions.create(model="fake", prompt=PROMPT, logprobs=2)
-            stream = await client.completions.create(model="fake", prompt=PROMPT, logprobs=2, stream=True)
+            args = dict(model="fake", prompt=PROMPT, logprobs=2, max_tokens=len(OUTPUT))
+            full = await client.completions.create(**args)
+            stream = await client.completions.create(**args, stream=True)
             chunks = [c async for c in stream]
         return full, chunks
 
