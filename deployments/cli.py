@@ -24,8 +24,8 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from deployments.constants import (PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env,
-                                   direct_streaming_env)
+from deployments.cluster_env import PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env
+from deployments.settings import direct_streaming_env, settings
 from engines.config import ConfigError, format_validation_error, load_config_file
 
 
@@ -52,14 +52,28 @@ def _isolate_a_new_local_cluster(http_port: int) -> None:
     Raises:
         PortsInUseError: `http_port` is in use, or no free ports were found.
     """
-    from ray._private.services import canonicalize_bootstrap_address  # what ray.init() asks
-
-    if canonicalize_bootstrap_address(None) is not None:
+    if not _ray_init_starts_a_local_cluster():
         return
     added = apply_own_serve_ports_if_taken(http_port)
     if added:
         print(f"lmserve: another Ray Serve cluster runs on this machine; this one uses ports "
               f"{min(map(int, added.values()))}-{max(map(int, added.values()))}", file=sys.stderr)
+
+
+def _ray_init_starts_a_local_cluster() -> bool:
+    """Whether `ray.init()` without an address would start a new local cluster rather than join
+    one (`RAY_ADDRESS`, or the cluster of the last `ray start` on this machine).
+
+    This is the one private Ray call of the CLI: Ray has no public way to ask where `ray.init()`
+    will go before calling it, and the ports must be chosen before the cluster starts (its
+    processes read them from the environment). It asks Ray's own resolver, so it follows Ray's
+    rules (`RAY_ADDRESS`, `ray_current_cluster` under the Ray temp directory) rather than a copy
+    of them. Checked against Ray 2.60: `canonicalize_bootstrap_address(None)` is None exactly
+    when `ray.init()` starts a local cluster.
+    """
+    from ray._private.services import canonicalize_bootstrap_address
+
+    return canonicalize_bootstrap_address(None) is None
 
 
 def _api(args: argparse.Namespace) -> int:
@@ -73,8 +87,8 @@ def _api(args: argparse.Namespace) -> int:
     from deployments.app import build_app
 
     config = load_config_file(args.config, args.overrides)
-    model_id = os.environ.get("API_MODEL_NAME", "gpt-3.5-turbo")
-    host, port = os.environ.get("API_HOST", "0.0.0.0"), int(os.environ.get("API_PORT", "8000"))
+    model_id = settings().api_model_name
+    host, port = settings().api_host, settings().api_port
     entry = {"model_id": model_id, **config.model_dump(exclude={"extra_inert"}, exclude_unset=True)}
     # One model: direct streaming (one hop), unless LMSERVE_DIRECT_STREAMING=0.
     app = build_app({"models": [entry], "direct_streaming": direct_streaming_env(True)})
@@ -161,10 +175,26 @@ def _serve(args: argparse.Namespace) -> int:
     `graceful_shutdown_timeout_s`) while new requests are refused, and only then is Serve shut
     down. A second signal stops at once. (Ray's own `serve run` shuts down at once and cuts
     open streams.) A cluster this starts runs in Ray Serve's high-throughput mode
-    (`RAY_HIGH_THROUGHPUT_ENV`: HAProxy, direct ingress, gRPC between replicas)."""
+    (`RAY_HIGH_THROUGHPUT_ENV`: HAProxy, direct ingress, gRPC between replicas).
+
+    The applications are built in this process (`_build_application`) and deployed with
+    `serve.run_many` without waiting for their replicas, so a signal or a lost cluster is
+    answered while models load. What a config file sets is honoured as the Serve controller
+    honours it (Ray 2.60 `ServeController.apply_config`): `http_options`, `grpc_options`,
+    `proxy_location`, `controller_options` and `tracing_config` start Serve; each application's
+    `name`, `route_prefix`, `import_path` + `args`, `logging_config` (default: the top-level
+    one) and `external_scaler_enabled` deploy it; `runtime_env` becomes the job's, the default
+    of every deployment without one of its own (as `serve run --runtime-env`).
+
+    Raises:
+        ConfigError: the file is unreadable or not a Ray Serve config; an application cannot be
+            built from its `import_path` and `args`; or it sets what Serve offers only to
+            configs deployed through its controller (`deployments` overrides,
+            `autoscaling_policy`, `target_capacity`, different `runtime_env`s per application).
+    """
     apply_ray_high_throughput_env()  # before Ray Serve's modules read their settings
     import ray
-    from ray.serve._private import api as serve_private_api  # what `serve run` itself uses
+    from ray import serve
     from ray.serve.config import ProxyLocation, gRPCOptions
     from ray.serve.schema import ServeDeploySchema
 
@@ -172,17 +202,111 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServeDeploySchema.model_validate(_read_yaml(args.config))
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source=args.config, what="Ray Serve config")) from None
+    runtime_env = _job_runtime_env(config, args.config)
+    targets = [_run_target(app, config, args.config) for app in config.applications]
     _isolate_a_new_local_cluster(config.http_options.port)
-    ray.init(namespace="serve")
-    client = serve_private_api.serve_start(
+    ray.init(namespace="serve", runtime_env=runtime_env)
+    serve.start(
         http_options=config.http_options.model_dump(),
         proxy_location=config.proxy_location or ProxyLocation.EveryNode,
         grpc_options=gRPCOptions(**config.grpc_options.model_dump()),
         controller_options=config.controller_options,
+        tracing_config=config.tracing_config,
     )
-    client.deploy_apps(config, _blocking=False)
+    serve.run_many(targets, wait_for_applications_running=False)
     print(f"lmserve: deployed {args.config}; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
-    return _run_until_signalled([app.name for app in config.applications])
+    return _run_until_signalled([target.name for target in targets])
+
+
+def _job_runtime_env(config, source: str) -> dict | None:
+    """The one `runtime_env` of a Ray Serve config's applications (None when none sets one).
+    `serve.run` gives every deployment without a `runtime_env` of its own the job's, so one
+    value for all applications is the job's; Serve has no per-application default outside its
+    controller's config path.
+
+    Raises:
+        ConfigError: two applications set different `runtime_env`s.
+    """
+    envs = {repr(app.runtime_env): app.runtime_env for app in config.applications}
+    if len(envs) > 1:
+        raise ConfigError(f"{source}: `lmserve serve` runs all applications in one Ray job, so they "
+                          f"need one `runtime_env`; found {len(envs)} different ones")
+    return next(iter(envs.values()), None) or None
+
+
+def _run_target(app, config, source: str):
+    """One application of a Ray Serve config (`ServeApplicationSchema`), built and ready for
+    `serve.run_many`.
+
+    Raises:
+        ConfigError: the application sets a field that only Serve's controller applies, or it
+            cannot be built (`_build_application`); the message names the file and application.
+    """
+    from ray.serve import RunTarget
+
+    controller_only = [field for field in ("deployments", "autoscaling_policy") if getattr(app, field)]
+    if config.target_capacity is not None:
+        controller_only.append("target_capacity")
+    if controller_only:
+        raise ConfigError(f"{source}: application {app.name!r}: `{'`, `'.join(controller_only)}`: applied only by "
+                          f"Serve's controller (Ray's `serve run`/`serve deploy`), not by `lmserve serve`; "
+                          f"set deployment options per model in `args.models[].deployment`")
+    try:
+        application = _build_application(app.import_path, app.args)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: application {app.name!r}: {exc}") from None
+    return RunTarget(target=application, name=app.name, route_prefix=app.route_prefix,
+                     logging_config=app.logging_config or config.logging_config,
+                     external_scaler_enabled=app.external_scaler_enabled)
+
+
+def _build_application(import_path: str, args: dict):
+    """The Serve `Application` that `import_path` names: an application as it is (then `args`
+    must be empty), or a builder function called with `args` (validated into the pydantic model
+    its one parameter is annotated with, if any). Mirrors Ray 2.60's
+    `call_user_app_builder_with_args_if_necessary`, which `serve run` uses; `import_path` is
+    `module:attribute` or `module.attribute`, resolved with the working directory on the path,
+    as `serve run --app-dir .` does.
+
+    Raises:
+        ConfigError: the import fails, the object is neither an application nor a builder,
+            `args` do not validate, or the builder returns no application.
+    """
+    import importlib
+    import inspect
+
+    from pydantic import BaseModel
+    from ray.serve import Application
+
+    module_name, sep, attribute = import_path.partition(":")
+    if not sep:
+        module_name, _, attribute = import_path.rpartition(".")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"cannot import `import_path` {import_path!r}: {exc}") from None
+    if isinstance(target, Application):
+        if args:
+            raise ConfigError(f"{import_path!r} is an application, not a builder: it takes no `args`")
+        return target
+    if not inspect.isfunction(target) or len(inspect.signature(target).parameters) != 1:
+        raise ConfigError(f"{import_path!r} is neither an application nor a builder function of one argument")
+    annotation = next(iter(inspect.signature(target).parameters.values())).annotation
+    try:
+        if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+            args = annotation.model_validate(args)
+        application = target(args)
+    except ConfigError:
+        raise
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source=import_path, what="application args")) from None
+    except (TypeError, ValueError) as exc:  # what a builder raises for arguments it refuses
+        raise ConfigError(f"{import_path!r} refused its `args`: {type(exc).__name__}: {exc}") from None
+    if not isinstance(application, Application):
+        raise ConfigError(f"{import_path!r} returned {type(application).__name__}, not a Serve application")
+    return application
 
 
 def _drain_on_signals() -> dict[str, int]:
@@ -237,10 +361,9 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
                     cluster_gone = True
                     return 1
         print("lmserve: draining in-flight requests...", file=sys.stderr)
-        for name in app_names:
-            serve.delete(name, _blocking=False)
+        _delete_applications(app_names)
         # Each replica waits for its own requests up to its graceful_shutdown_timeout_s.
-        deadline = time.monotonic() + float(os.environ.get("LMSERVE_DRAIN_TIMEOUT_S", 300))
+        deadline = time.monotonic() + settings().drain_timeout_s
         while serve.status().applications and time.monotonic() < deadline:
             time.sleep(0.5)
     except KeyboardInterrupt:
@@ -253,6 +376,28 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
 
 CLUSTER_CHECK_INTERVAL_S = 2.0
 CLUSTER_GONE_CHECKS = 3
+
+
+def _delete_applications(app_names: list[str]) -> None:
+    """Ask Serve to delete every application at once and return without waiting: each replica
+    then finishes its in-flight requests (up to its `graceful_shutdown_timeout_s`) while new
+    requests are refused. The caller waits on `serve.status()` under its own deadline.
+
+    `serve.delete` waits for its one application, up to a fixed 60 s in Ray 2.60, so one call
+    per application in a daemon thread drains them side by side and never holds the caller.
+    """
+    import threading
+
+    from ray import serve
+
+    def delete(name: str) -> None:
+        try:
+            serve.delete(name)
+        except Exception:  # noqa: BLE001 - Ray's 60 s wait ran out, or Serve was shut down under it
+            pass
+
+    for name in app_names:
+        threading.Thread(target=delete, args=(name,), name=f"delete-{name}", daemon=True).start()
 
 
 def _gcs_reachable(address: str, timeout_s: float = 2.0) -> bool:
@@ -351,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpus", type=float, default=0, help="GPUs per engine actor")
     p.set_defaults(func=_batch)
     p = sub.add_parser("serve", help="run a Ray Serve config (default serve_config.yaml)")
-    p.add_argument("config", nargs="?", default=os.environ.get("LMSERVE_CONFIG", "serve_config.yaml"))
+    p.add_argument("config", nargs="?", default=settings().config)
     p.set_defaults(func=_serve)
     p = sub.add_parser("download", help="fetch and convert a model into $LMSERVE_HOME (default: smollm2)")
     p.add_argument("name", nargs="?", default="smollm2")
