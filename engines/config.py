@@ -116,10 +116,13 @@ class EngineConfig(BaseModel):
         "(LLaMA-Factory has no default; lmserve defaults to the embedded model.)",
     )
     adapter_name_or_path: str | list[str] | None = Field(
-        None, description="LoRA adapter path(s), comma-separated or a list."
+        None, description="LoRA adapters (peft directories), comma-separated or a list. Each is served "
+        "as its own model ID `<model_id>:<name>`, named by its last path component (`-2`, `-3` for "
+        "repeats); LLaMA-Factory merges them on huggingface and applies the first on vLLM and SGLang."
     )
     template: str | None = Field(
-        None, description="Chat template: None uses the tokenizer's own chat template."
+        None, description="Chat template: unset = the tokenizer's own; a Jinja file path or inline Jinja; a "
+        "LLaMA-Factory template name selects the tokenizer's own template."
     )
     infer_backend: InferBackend = Field(
         "huggingface", description="The engine: `huggingface` (transformers, in the replica), `vllm`, `sglang` "
