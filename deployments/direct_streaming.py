@@ -37,7 +37,7 @@ class DirectStreamingServer(OpenAIIngress):
         engine_config: the engine's config, as a mapping (`EngineConfig` fields).
         settings: HTTP settings (`IngressSettings` fields).
         max_requests: most requests this replica takes at once (generating or waiting in the
-            engine); more get 503 + `Retry-After` (`OverloadedError`). None = no limit.
+            engine); more get 503 + `Retry-After` (`ServingError`, OVERLOADED). None = no limit.
         backpressure_config: Ray Serve's `backpressure_config` fields for that answer
             (`status_code` 503 or 429, `retry_after_s`).
     """

@@ -1,110 +1,27 @@
-"""Exceptions -> OpenAI error bodies and HTTP status codes, in one place.
+"""The HTTP edge of errors: exceptions -> OpenAI error bodies and HTTP status codes, in one place.
 
-Callers raise; they never build error JSON by hand (the pattern of vLLM's OpenAI server).
-Status codes: validation 400, bad API key 401, unknown model 404 (`param="model"`), a route the
-model does not serve (generate on a reward model, score on a generating one) 405, body too
-large 413, overload/unavailable 503 (a full model deployment: with `Retry-After`), not
+Engines and serving code raise `engines.errors.ServingError` (or let Ray's, FastAPI's and
+Starlette's own errors through); they never build error JSON by hand (the pattern of vLLM's
+OpenAI server). Status codes: validation 400, bad API key 401, unknown model 404
+(`param="model"`), a route the model does not serve (generate on a reward model, score on a
+generating one) 405, body too large 413, overload 503 (or 429 where the deployment's
+`backpressure_config` says so) with `Retry-After`, unavailable 503, past the deadline 504, not
 implemented 501, anything else 500.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 
 from fastapi.exceptions import RequestValidationError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.constants import RETRY_AFTER_S
+from deployments import constants
 from deployments.protocol import ErrorInfo, ErrorResponse
-from engines.base import EngineError
+from engines.errors import ErrorKind, ServingError
 
 logger = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    """An error with an HTTP status, raised by the ingress."""
-
-    status_code = 500
-    error_type = "internal_error"
-    code: str | None = None
-
-    def __init__(self, message: str, param: str | None = None, status_code: int | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        if status_code is not None:
-            self.status_code = status_code
-
-
-class BadRequestError(APIError):
-    status_code = 400
-    error_type = "invalid_request_error"
-
-
-class AuthenticationError(APIError):
-    status_code = 401
-    error_type = "authentication_error"
-    code = "invalid_api_key"
-
-
-class OverloadedError(APIError):
-    """The model deployment's queue is full (Ray Serve's `max_queued_requests`), or a
-    direct-streaming replica holds its `max_ongoing_requests` + `max_queued_requests` requests:
-    answered at once with 503 (or 429 where the deployment's `backpressure_config` says so) and
-    `Retry-After`."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-    code = "overloaded"
-
-    def __init__(self, message: str, retry_after_s: float = RETRY_AFTER_S, status_code: int | None = None):
-        super().__init__(message, status_code=status_code)
-        self.retry_after = math.ceil(retry_after_s)  # whole seconds, for the Retry-After header
-        if self.status_code == 429:
-            self.error_type = "rate_limit_error"
-
-    @classmethod
-    def from_backpressure(cls, exc: BackPressureError) -> "OverloadedError":
-        retry = exc.retry_after_s if exc.retry_after_s is not None else RETRY_AFTER_S
-        return cls(f"The model is overloaded, retry later ({exc.message})", retry, exc.status_code)
-
-
-class ServiceUnavailableError(APIError):
-    """The model deployment has no replica to take the request (Ray Serve's
-    `DeploymentUnavailableError`: none running yet, or all gone): 503."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-
-
-class ModelNotFoundError(APIError):
-    status_code = 404
-    error_type = "invalid_request_error"
-    code = "model_not_found"
-
-    def __init__(self, model: str, available: list[str]):
-        super().__init__(f"The model {model!r} does not exist. Available models: {', '.join(available)}",
-                         param="model")
-
-
-class MethodNotAllowedError(APIError):
-    """The model cannot serve this route: a reward model asked to generate, or a generating model
-    asked to score. LLaMA-Factory answers both with 405 "Not allowed" (`api/app.py`); lmserve
-    says which route the model serves."""
-
-    status_code = 405
-    error_type = "invalid_request_error"
-    code = "method_not_allowed"
-
-
-class RequestTimeoutError(APIError):
-    """The request ran past its deadline (`request_timeout_s`) and was stopped."""
-
-    status_code = 504
-    error_type = "timeout"
 
 
 def is_replica_failure(exc: BaseException) -> bool:
@@ -116,23 +33,6 @@ def is_replica_failure(exc: BaseException) -> bool:
         "RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
         "NodeDiedError", "OwnerDiedError") if hasattr(ray_exceptions, name))
     return isinstance(exc, kinds)
-
-
-@dataclass
-class GenerationError:
-    """An engine error carried as a value across the Ray boundary (model server -> ingress)."""
-
-    status_code: int
-    error_type: str
-    message: str
-    param: str | None = None
-
-    @classmethod
-    def from_exception(cls, exc: BaseException) -> "GenerationError":
-        if isinstance(exc, EngineError):
-            return cls(exc.status_code, exc.error_type, exc.message, exc.param)
-        logger.exception("engine failed", exc_info=exc)
-        return cls(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
@@ -164,17 +64,45 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     return "; ".join(by_field.values()), first_param
 
 
+# kind -> (HTTP status, OpenAI error `type`, OpenAI error `code`)
+_HTTP_ERRORS: dict[ErrorKind, tuple[int, str, str | None]] = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error", None),
+    ErrorKind.NOT_SUPPORTED: (400, "invalid_request_error", None),
+    ErrorKind.AUTHENTICATION: (401, "authentication_error", "invalid_api_key"),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error", "method_not_allowed"),
+    ErrorKind.REQUEST_TOO_LARGE: (413, "invalid_request_error", "request_too_large"),
+    ErrorKind.RATE_LIMITED: (429, "rate_limit_error", "overloaded"),
+    ErrorKind.OVERLOADED: (503, "service_unavailable", "overloaded"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable", None),
+    ErrorKind.TIMEOUT: (504, "timeout", None),
+    ErrorKind.NOT_IMPLEMENTED: (501, "not_implemented", None),
+    ErrorKind.INTERNAL: (500, "internal_error", None),
+}
+
+
+def http_status(kind: ErrorKind) -> int:
+    """The HTTP status code that answers an error of this kind."""
+    return _HTTP_ERRORS[kind][0]
+
+
+def overloaded_from_backpressure(exc: BackPressureError) -> ServingError:
+    """Ray Serve's full-queue error as lmserve's: its `status_code` (503, or 429) and
+    `retry_after_s` (`RETRY_AFTER_S` when unset) come from the deployment's `backpressure_config`."""
+    retry = exc.retry_after_s if exc.retry_after_s is not None else constants.RETRY_AFTER_S
+    return ServingError.overloaded(f"The model is overloaded, retry later ({exc.message})", retry, exc.status_code)
+
+
 def to_error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
-    """Map any exception to (HTTP status, OpenAI error body)."""
+    """Map any exception to (HTTP status, OpenAI error body): a `ServingError` by its kind, and
+    the errors of the layers below lmserve's code: Ray Serve's back-pressure and unavailable
+    deployments, a failed replica, FastAPI's request validation, Starlette's HTTP errors.
+    Anything else is a 500 that names only the exception's type (and is logged)."""
     if isinstance(exc, BackPressureError):
-        exc = OverloadedError.from_backpressure(exc)
-    if isinstance(exc, APIError):
-        status, info = exc.status_code, ErrorInfo(message=exc.message, type=exc.error_type,
-                                                  param=exc.param, code=exc.code)
-    elif isinstance(exc, GenerationError):
-        status, info = exc.status_code, ErrorInfo(message=exc.message, type=exc.error_type, param=exc.param)
-    elif isinstance(exc, EngineError):
-        status, info = exc.status_code, ErrorInfo(message=exc.message, type=exc.error_type, param=exc.param)
+        exc = overloaded_from_backpressure(exc)
+    if isinstance(exc, ServingError):
+        status, kind, code = _HTTP_ERRORS[exc.kind]
+        info = ErrorInfo(message=exc.message, type=kind, param=exc.param, code=code)
     elif isinstance(exc, RequestValidationError):
         message, param = describe_validation_error(exc)
         status, info = 400, ErrorInfo(message=message, type="invalid_request_error", param=param)
@@ -193,4 +121,3 @@ def to_error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
         logger.exception("unhandled error", exc_info=exc)
         status, info = 500, ErrorInfo(message=f"internal error: {type(exc).__name__}", type="internal_error")
     return status, ErrorResponse(error=info)
-

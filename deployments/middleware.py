@@ -10,7 +10,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deployments.errors import AuthenticationError, to_error_response
+from deployments.errors import to_error_response
+from engines.errors import ErrorKind, ServingError
 
 
 class BodySizeLimitMiddleware:
@@ -103,5 +104,5 @@ class APIKeyMiddleware:
             return
         self.on_reject()
         status, body = to_error_response(
-            AuthenticationError("Invalid or missing API key. Send it as 'Authorization: Bearer <key>'."))
+            ServingError(ErrorKind.AUTHENTICATION, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>'."))
         await _send_json(send, status, body.model_dump_json().encode())

@@ -3,7 +3,7 @@
 replica), or inside the replica that took the HTTP request (direct streaming: one hop).
 
 Both clients yield the same items, the ones a `ModelServer` replica streams: lists of
-`GenerationDelta`s, or a `GenerationError` value that ends the stream, so the ingress has one
+`GenerationDelta`s, or a `ServingError` value that ends the stream, so the ingress has one
 code path for either.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
-from deployments.errors import GenerationError
 from engines.base import Engine, GenerationDelta, GenerationRequest
+from engines.errors import ServingError
 
-StreamItem = "list[GenerationDelta] | GenerationError"
+StreamItem = "list[GenerationDelta] | ServingError"
 
 
 class ReplicaClient:
@@ -44,7 +44,7 @@ class ReplicaClient:
         finally:
             response.cancel()
 
-    async def score(self, texts: list[str], max_length: int | None) -> list[float] | GenerationError:
+    async def score(self, texts: list[str], max_length: int | None) -> list[float] | ServingError:
         """Reward scores from a replica; cancelling the caller cancels the call."""
         response = self._handle.score.remote(texts, max_length)
         try:
@@ -68,21 +68,21 @@ class InProcessClient:
         self.engine = engine
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StreamItem]:
-        """The engine's deltas, one list each; an engine error becomes a `GenerationError` value
+        """The engine's deltas, one list each; an engine error becomes a `ServingError` value
         (as a `ModelServer` replica sends it). Closing it stops the request in the engine."""
         stream = self.engine.generate(request)
         try:
             async for delta in stream:
                 yield [delta]
         except Exception as exc:  # noqa: BLE001 - errors travel as values, as from a replica
-            yield GenerationError.from_exception(exc)
+            yield ServingError.from_exception(exc)
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
 
-    async def score(self, texts: list[str], max_length: int | None) -> list[float] | GenerationError:
+    async def score(self, texts: list[str], max_length: int | None) -> list[float] | ServingError:
         try:
             return await self.engine.score(texts, max_length)
         except Exception as exc:  # noqa: BLE001 - errors travel as values, as from a replica
-            return GenerationError.from_exception(exc)
+            return ServingError.from_exception(exc)

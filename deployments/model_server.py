@@ -12,11 +12,11 @@ import logging
 from typing import AsyncIterator
 
 from deployments.constants import STREAM_BATCHING_INTERVAL_S
-from deployments.errors import GenerationError
 from deployments.stream_batching import batch_stream
 from engines import create_engine
 from engines.base import GenerationDelta, GenerationRequest, ModelInfo
 from engines.config import EngineConfig
+from engines.errors import ServingError
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,23 +50,24 @@ class ModelServer:
         await self.engine.start()
         logger.info("model %r ready on backend %s", model_id, self.config.infer_backend)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[GenerationDelta] | GenerationError]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[GenerationDelta] | ServingError]:
         """Stream deltas in lists grouped for `STREAM_BATCHING_INTERVAL_S` (the first at once);
-        an engine error is yielded as a `GenerationError` value (so its status and message reach
-        the ingress intact) and ends the stream. Cancellation (client gone) closes the engine's
+        an engine error is yielded as a `ServingError` value (so its kind, message and param
+        reach the ingress intact; a raised one would arrive wrapped in Ray's task error) and
+        ends the stream. Cancellation (client gone) closes the engine's
         generator, which stops the request in the engine."""
         try:
             async for deltas in batch_stream(self.engine.generate(request), STREAM_BATCHING_INTERVAL_S):
                 yield deltas
         except Exception as exc:  # noqa: BLE001 - every error travels to the ingress as a value
-            yield GenerationError.from_exception(exc)
+            yield ServingError.from_exception(exc)
 
-    async def score(self, texts: list[str], max_length: int | None = None) -> list[float] | GenerationError:
-        """Reward scores, one per text; an engine error is returned as a `GenerationError` value."""
+    async def score(self, texts: list[str], max_length: int | None = None) -> list[float] | ServingError:
+        """Reward scores, one per text; an engine error is returned as a `ServingError` value."""
         try:
             return await self.engine.score(texts, max_length)
         except Exception as exc:  # noqa: BLE001 - errors travel to the ingress as values
-            return GenerationError.from_exception(exc)
+            return ServingError.from_exception(exc)
 
     async def engine_stats(self) -> dict[str, int]:
         """`{"running": requests generating, "waiting": requests queued in the engine}`."""

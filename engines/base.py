@@ -13,47 +13,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
 
+from engines.errors import ServingError
+
 if TYPE_CHECKING:
     from engines.config import EngineConfig
 
 FinishReason = Literal["stop", "length", "abort"]
-
-
-class EngineError(Exception):
-    """Base class for errors an engine raises; the ingress maps each subclass to a status code."""
-
-    status_code = 500
-    error_type = "internal_error"
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-class InvalidRequestError(EngineError):
-    """The request cannot be served as asked (e.g. prompt longer than the context). HTTP 400."""
-
-    status_code = 400
-    error_type = "invalid_request_error"
-
-
-class NotSupportedError(EngineError):
-    """The backend lacks a capability the request needs. HTTP 400, naming feature and backend."""
-
-    status_code = 400
-    error_type = "invalid_request_error"
-
-
-class EngineUnavailableError(EngineError):
-    """The engine is dead or not started. HTTP 503."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-
-
-class ModelLoadError(EngineError):
-    """Model files are missing or corrupt; the message names the path."""
 
 
 @dataclass(frozen=True)
@@ -197,19 +162,19 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, default_max_new_
     `max_tokens=None` means the config's `max_new_tokens`, cut to what fits after the prompt.
 
     Raises:
-        InvalidRequestError: empty prompt, prompt filling the context, or prompt + `max_tokens`
+        ServingError(INVALID_REQUEST): empty prompt, prompt filling the context, or prompt + `max_tokens`
             over `max_model_len` (OpenAI's wording, naming both numbers).
     """
     if prompt_len == 0:
-        raise InvalidRequestError("the prompt is empty (0 tokens)", param="prompt")
+        raise ServingError.invalid_request("the prompt is empty (0 tokens)", param="prompt")
     if prompt_len >= max_model_len:
-        raise InvalidRequestError(
+        raise ServingError.invalid_request(
             f"This model's maximum context length is {max_model_len} tokens; the prompt has "
             f"{prompt_len} tokens.", param="messages")
     if max_tokens is None:
         return min(default_max_new_tokens, max_model_len - prompt_len)
     if prompt_len + max_tokens > max_model_len:
-        raise InvalidRequestError(
+        raise ServingError.invalid_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
             f"{max_tokens} for the completion).", param="max_tokens")
@@ -226,7 +191,7 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
         vocab_size: token ids must be below it (None: not checked).
 
     Raises:
-        InvalidRequestError: the prompt and `max_tokens` do not fit `max_model_len`
+        ServingError(INVALID_REQUEST): the prompt and `max_tokens` do not fit `max_model_len`
             (`resolve_max_tokens`), a stop token id or a `logit_bias` token id is not a token of
             the model, or the LoRA adapter is not one of `config.lora_adapters` (param `model`).
     """
@@ -239,16 +204,16 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
     bound = vocab_size if vocab_size is not None else 1 << 62
     for tid in params.stop_token_ids:
         if not 0 <= tid < bound:
-            raise InvalidRequestError(f"stop_token_ids: {tid} is not a token id of this model",
+            raise ServingError.invalid_request(f"stop_token_ids: {tid} is not a token id of this model",
                                       param="stop_token_ids")
     # Checked as vLLM (`SamplingParams._validate_logit_bias`) and SGLang (`verify`) do: the ids
     # index the logits row, whose width is the vocabulary size.
     outside = sorted(tid for tid in params.logit_bias or {} if not 0 <= tid < bound)
     if outside:
-        raise InvalidRequestError(f"logit_bias: token id(s) {outside[:10]} are out of this model's vocabulary "
+        raise ServingError.invalid_request(f"logit_bias: token id(s) {outside[:10]} are out of this model's vocabulary "
                                   f"(size {vocab_size})", param="logit_bias")
     if request.lora_name is not None and request.lora_name not in config.lora_adapters:
-        raise InvalidRequestError(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
+        raise ServingError.invalid_request(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
                                   f"{sorted(config.lora_adapters)}", param="model")
     return params, max_tokens
 
@@ -305,14 +270,14 @@ class Engine(abc.ABC):
         """Yield deltas until every choice has finished; the last carries `usage`.
 
         Raises:
-            InvalidRequestError: the request cannot be served (context length, bad stop ids).
-            NotSupportedError: the request needs a capability this backend lacks.
+            ServingError(INVALID_REQUEST): the request cannot be served (context length, bad stop ids).
+            ServingError(NOT_SUPPORTED): the request needs a capability this backend lacks.
         Closing the iterator (e.g. on client disconnect) stops generation of this request.
         """
 
     @abc.abstractmethod
     async def check_health(self) -> None:
-        """Return if the engine can serve; raise `EngineUnavailableError` otherwise."""
+        """Return if the engine can serve; raise `ServingError` (UNAVAILABLE) otherwise."""
 
     @abc.abstractmethod
     async def shutdown(self) -> None:
@@ -326,10 +291,10 @@ class Engine(abc.ABC):
         """Reward scores, one float per text (reward models only: `EngineConfig.stage` not `sft`).
 
         Raises:
-            NotSupportedError: the backend cannot score, or this model is not a reward model.
-            InvalidRequestError: a text the model cannot score (no tokens, `max_length` too long).
+            ServingError(NOT_SUPPORTED): the backend cannot score, or this model is not a reward model.
+            ServingError(INVALID_REQUEST): a text the model cannot score (no tokens, `max_length` too long).
         """
-        raise NotSupportedError(f"scoring is not supported by the {self.capabilities.backend} backend",
+        raise ServingError.not_supported(f"scoring is not supported by the {self.capabilities.backend} backend",
                                 param="model")
 
     @property

@@ -21,12 +21,9 @@ from typing import Any, AsyncIterator
 from engines.base import (
     Capabilities,
     Engine,
-    EngineUnavailableError,
     GenerationDelta,
     GenerationRequest,
     ModelInfo,
-    ModelLoadError,
-    NotSupportedError,
     SamplingParams,
     TokenLogprob,
     Usage,
@@ -34,6 +31,7 @@ from engines.base import (
 )
 from engines.config import EngineConfig
 from engines.continuous_batching import BatchRequest, ContinuousBatcher
+from engines.errors import ModelLoadError, ServingError
 from engines.model_source import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -199,16 +197,16 @@ class HuggingFaceEngine(Engine):
 
     def model_info(self) -> ModelInfo:
         if self._info is None:
-            raise EngineUnavailableError("engine not started")
+            raise ServingError.unavailable("engine not started")
         return self._info
 
     async def check_health(self) -> None:
         if self._reward is not None:
             return
         if self._model is None or self._batcher is None:
-            raise EngineUnavailableError("huggingface engine: model not loaded")
+            raise ServingError.unavailable("huggingface engine: model not loaded")
         if not self._batcher.alive:
-            raise EngineUnavailableError("huggingface engine: batching thread is not running")
+            raise ServingError.unavailable("huggingface engine: batching thread is not running")
 
     async def shutdown(self) -> None:
         if self._batcher is not None:
@@ -219,11 +217,11 @@ class HuggingFaceEngine(Engine):
         """Reward scores (`engines.reward.RewardModel.score`), one request at a time.
 
         Raises:
-            NotSupportedError: this model generates (its `stage` is `sft`).
-            InvalidRequestError: see `RewardModel.score`.
+            ServingError(NOT_SUPPORTED): this model generates (its `stage` is `sft`).
+            ServingError(INVALID_REQUEST): see `RewardModel.score`.
         """
         if self._reward is None:
-            raise NotSupportedError("this model generates text (stage 'sft'); only reward models score",
+            raise ServingError.not_supported("this model generates text (stage 'sft'); only reward models score",
                                     param="model")
         async with self._score_lock:
             return await asyncio.to_thread(self._reward.score, texts, max_length)
@@ -242,7 +240,7 @@ class HuggingFaceEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         if self._reward is not None:
-            raise NotSupportedError(f"this is a reward model (stage {self.config.stage!r}): it scores texts "
+            raise ServingError.not_supported(f"this is a reward model (stage {self.config.stage!r}): it scores texts "
                                     "and does not generate", param="model")
         await self.check_health()
         state = self._new_state(request)
@@ -259,7 +257,7 @@ class HuggingFaceEngine(Engine):
             while True:
                 items = await events.get()
                 if isinstance(items, BaseException):
-                    raise EngineUnavailableError(f"huggingface engine failed: {type(items).__name__}: {items}")
+                    raise ServingError.unavailable(f"huggingface engine failed: {type(items).__name__}: {items}")
                 deltas = []
                 for index, token, finish, stop_reason, logprobs in items:
                     choice = state.choices[index]
@@ -289,16 +287,16 @@ class HuggingFaceEngine(Engine):
         """The request's processor tensors on the model's device, floating ones in its dtype.
 
         Raises:
-            NotSupportedError: images for a text-only model, naming it.
+            ServingError(NOT_SUPPORTED): images for a text-only model, naming it.
         """
         if request.media is None:
             return None
         if not self._accepts_images:
-            raise NotSupportedError(f"model {self.config.model_name_or_path!r} does not accept images",
+            raise ServingError.not_supported(f"model {self.config.model_name_or_path!r} does not accept images",
                                     param="messages")
         if self._mrope:
             # Batched decode passes 1-D positions; these models need their 3-D image positions.
-            raise NotSupportedError(f"images on model {self.config.model_name_or_path!r} (multimodal rotary "
+            raise ServingError.not_supported(f"images on model {self.config.model_name_or_path!r} (multimodal rotary "
                                     "positions, Qwen2-VL style) are not supported by the huggingface backend; "
                                     "use infer_backend: vllm", param="messages")
         model = self._model
@@ -312,7 +310,7 @@ class HuggingFaceEngine(Engine):
         params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
                                                 vocab_size=vocab)
         if params.structured_output is not None:  # the ingress refuses it first (Capabilities)
-            raise NotSupportedError("response_format (JSON output) is not supported by the huggingface backend",
+            raise ServingError.not_supported("response_format (JSON output) is not supported by the huggingface backend",
                                     param="response_format")
         generator = torch.Generator(device=self._model.device)
         generator.manual_seed(params.seed if params.seed is not None else uuid.uuid4().int & (2**63 - 1))

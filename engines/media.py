@@ -5,7 +5,7 @@ Mirrors vLLM's OpenAI server (`vllm/multimodal/media/connector.py`: data URLs al
 `file://` only under `--allowed-local-media-path`, a fetch timeout) and LLaMA-Factory's API
 (`src/llamafactory/api/chat.py` takes data URLs, local paths and http URLs, unrestricted;
 lmserve refuses the last two unless configured). `image_url.detail` is accepted and ignored, as
-in both. Every failure is an `InvalidRequestError` (HTTP 400, `param="messages"`) naming the
+in both. Every failure is a `ServingError` (INVALID_REQUEST: HTTP 400, `param="messages"`) naming the
 content part, never a 500 or a hang.
 """
 
@@ -16,48 +16,44 @@ import base64
 import binascii
 import io
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from pydantic import BaseModel, Field
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engines.base import InvalidRequestError
-
-
-def _env_bool(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+from engines.errors import ServingError
 
 
-class MediaSettings(BaseModel):
+class MediaSettings(BaseSettings):
     """Where images may come from, and how much of them a request may bring.
 
     Defaults are safe for a public endpoint: only data URLs, at most `max_images_per_request`
-    images of at most `max_image_bytes` bytes each. Each default can be set by the environment
-    variable named in its description.
+    images of at most `max_image_bytes` bytes each. A field not given when the object is built
+    comes from its environment variable, `LMSERVE_` + its name in capitals (e.g.
+    `LMSERVE_ALLOW_REMOTE_MEDIA=true`), else its default.
+
+    Raises:
+        pydantic.ValidationError: an unknown field, or a value (given or from the environment)
+            that does not parse, naming it.
     """
 
+    model_config = SettingsConfigDict(env_prefix="LMSERVE_", env_ignore_empty=True, extra="forbid")
+
     allow_remote_media: bool = Field(
-        default_factory=lambda: _env_bool("LMSERVE_ALLOW_REMOTE_MEDIA"),
-        description="Fetch http(s) image URLs (the server then reaches any host a client names). "
-        "Env: LMSERVE_ALLOW_REMOTE_MEDIA.")
+        False, description="Fetch http(s) image URLs (the server then reaches any host a client names).")
     allowed_local_media_path: str | None = Field(
-        default_factory=lambda: os.environ.get("LMSERVE_ALLOWED_LOCAL_MEDIA_PATH") or None,
-        description="Read images from `file://` URLs and absolute paths inside this directory only "
-        "(vLLM's --allowed-local-media-path). Env: LMSERVE_ALLOWED_LOCAL_MEDIA_PATH.")
+        None, description="Read images from `file://` URLs and absolute paths inside this directory only "
+        "(vLLM's --allowed-local-media-path); unset: no local files.")
     media_fetch_timeout_s: float = Field(
-        default_factory=lambda: float(os.environ.get("LMSERVE_MEDIA_FETCH_TIMEOUT_S", 10)), gt=0,
-        description="Whole-fetch limit for one remote image, seconds. Env: LMSERVE_MEDIA_FETCH_TIMEOUT_S.")
+        10, gt=0, description="Whole-fetch limit for one remote image (seconds).")
     max_image_bytes: int = Field(
-        default_factory=lambda: int(os.environ.get("LMSERVE_MAX_IMAGE_BYTES", 10 * 1024 * 1024)), gt=0,
-        description="Largest encoded image accepted, bytes. Env: LMSERVE_MAX_IMAGE_BYTES.")
+        10 * 1024 * 1024, gt=0, description="Largest encoded image accepted (bytes).")
     max_images_per_request: int = Field(
-        default_factory=lambda: int(os.environ.get("LMSERVE_MAX_IMAGES_PER_REQUEST", 8)), ge=1,
-        description="Most images in one request (vLLM's --limit-mm-per-prompt). "
-        "Env: LMSERVE_MAX_IMAGES_PER_REQUEST.")
+        8, ge=1, description="Most images in one request (vLLM's --limit-mm-per-prompt).")
 
 
 @dataclass(frozen=True)
@@ -72,7 +68,7 @@ def image_parts(messages: list[dict[str, Any]]) -> list[ImagePart]:
     """The `image_url` parts of OpenAI chat messages, in prompt order.
 
     Raises:
-        InvalidRequestError: an `image_url` part without `image_url.url` (a string).
+        ServingError(INVALID_REQUEST): an `image_url` part without `image_url.url` (a string).
     """
     parts = []
     for i, message in enumerate(messages):
@@ -86,7 +82,7 @@ def image_parts(messages: list[dict[str, Any]]) -> list[ImagePart]:
             image_url = part.get("image_url")
             url = image_url.get("url") if isinstance(image_url, dict) else None
             if not isinstance(url, str) or not url:
-                raise InvalidRequestError(f"{where}: an image_url part needs `image_url: {{\"url\": ...}}`",
+                raise ServingError.invalid_request(f"{where}: an image_url part needs `image_url: {{\"url\": ...}}`",
                                           param="messages")
             parts.append(ImagePart(where, url))
     return parts
@@ -96,7 +92,7 @@ def decode_image(data: bytes, where: str) -> Any:
     """Encoded image bytes -> a fully decoded `PIL.Image` (mode kept; see `fit_pixels`).
 
     Raises:
-        InvalidRequestError: not an image PIL can read, or a decompression bomb (PIL's
+        ServingError(INVALID_REQUEST): not an image PIL can read, or a decompression bomb (PIL's
             `MAX_IMAGE_PIXELS`).
     """
     from PIL import Image
@@ -107,7 +103,7 @@ def decode_image(data: bytes, where: str) -> Any:
             image = Image.open(io.BytesIO(data))
             image.load()
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
-        raise InvalidRequestError(f"{where}: cannot decode the image: {type(exc).__name__}: {exc}",
+        raise ServingError.invalid_request(f"{where}: cannot decode the image: {type(exc).__name__}: {exc}",
                                   param="messages") from None
     return image
 
@@ -141,12 +137,12 @@ class ImageLoader:
         """Fetch and decode every part (remote ones concurrently); `PIL.Image`s in order.
 
         Raises:
-            InvalidRequestError: too many images, a source that is not allowed, a fetch that
+            ServingError(INVALID_REQUEST): too many images, a source that is not allowed, a fetch that
                 fails, times out or is too large, or bytes that are not an image.
         """
         limit = self.settings.max_images_per_request
         if len(parts) > limit:
-            raise InvalidRequestError(f"the request has {len(parts)} images; at most {limit} are allowed per "
+            raise ServingError.invalid_request(f"the request has {len(parts)} images; at most {limit} are allowed per "
                                       "request", param="messages")
         return list(await asyncio.gather(*(self._load_one(part) for part in parts)))
 
@@ -159,39 +155,39 @@ class ImageLoader:
         elif url.startswith("file:") or url.startswith("/"):
             data = await asyncio.to_thread(self._from_file, part)
         else:
-            raise InvalidRequestError(f"{part.where}: unsupported image URL {url[:60]!r}; use a data URL "
+            raise ServingError.invalid_request(f"{part.where}: unsupported image URL {url[:60]!r}; use a data URL "
                                       "(data:image/png;base64,...)", param="messages")
         return await asyncio.to_thread(decode_image, data, part.where)
 
-    def _too_large(self, part: ImagePart, size: int) -> InvalidRequestError:
-        return InvalidRequestError(f"{part.where}: the image is larger than {self.settings.max_image_bytes} bytes "
+    def _too_large(self, part: ImagePart, size: int) -> ServingError:
+        return ServingError.invalid_request(f"{part.where}: the image is larger than {self.settings.max_image_bytes} bytes "
                                    f"({size})", param="messages")
 
     def _from_data_url(self, part: ImagePart) -> bytes:
         header, sep, payload = part.url.partition(",")
         if not sep or not header.endswith(";base64"):
-            raise InvalidRequestError(f"{part.where}: a data URL must be base64 encoded "
+            raise ServingError.invalid_request(f"{part.where}: a data URL must be base64 encoded "
                                       "(data:image/png;base64,...)", param="messages")
         if len(payload) * 3 // 4 > self.settings.max_image_bytes:
             raise self._too_large(part, len(payload) * 3 // 4)
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
-            raise InvalidRequestError(f"{part.where}: the data URL is not valid base64: {exc}",
+            raise ServingError.invalid_request(f"{part.where}: the data URL is not valid base64: {exc}",
                                       param="messages") from None
 
     async def _from_http(self, part: ImagePart) -> bytes:
         import httpx
 
         if not self.settings.allow_remote_media:
-            raise InvalidRequestError(f"{part.where}: remote image URLs are not allowed on this server "
+            raise ServingError.invalid_request(f"{part.where}: remote image URLs are not allowed on this server "
                                       "(media.allow_remote_media is off); send a data URL", param="messages")
         timeout = self.settings.media_fetch_timeout_s
         try:
             async with asyncio.timeout(timeout), httpx.AsyncClient(timeout=timeout, follow_redirects=True) as client:
                 async with client.stream("GET", part.url) as response:
                     if response.status_code != 200:
-                        raise InvalidRequestError(f"{part.where}: fetching the image failed: HTTP "
+                        raise ServingError.invalid_request(f"{part.where}: fetching the image failed: HTTP "
                                                   f"{response.status_code}", param="messages")
                     chunks, size = [], 0
                     async for chunk in response.aiter_bytes():
@@ -201,22 +197,22 @@ class ImageLoader:
                         chunks.append(chunk)
                     return b"".join(chunks)
         except TimeoutError:
-            raise InvalidRequestError(f"{part.where}: fetching the image took longer than {timeout:g} s",
+            raise ServingError.invalid_request(f"{part.where}: fetching the image took longer than {timeout:g} s",
                                       param="messages") from None
         except httpx.HTTPError as exc:
-            raise InvalidRequestError(f"{part.where}: fetching the image failed: {type(exc).__name__}: {exc}",
+            raise ServingError.invalid_request(f"{part.where}: fetching the image failed: {type(exc).__name__}: {exc}",
                                       param="messages") from None
 
     def _from_file(self, part: ImagePart) -> bytes:
         root = self.settings.allowed_local_media_path
         if not root:
-            raise InvalidRequestError(f"{part.where}: local image paths are not allowed on this server "
+            raise ServingError.invalid_request(f"{part.where}: local image paths are not allowed on this server "
                                       "(media.allowed_local_media_path is not set); send a data URL",
                                       param="messages")
         raw = unquote(urlparse(part.url).path) if part.url.startswith("file:") else part.url
         path = Path(raw).resolve()  # symlinks and `..` resolved before the containment check
         if not path.is_relative_to(Path(root).resolve()):
-            raise InvalidRequestError(f"{part.where}: {raw!r} is outside the allowed local media path",
+            raise ServingError.invalid_request(f"{part.where}: {raw!r} is outside the allowed local media path",
                                       param="messages")
         try:
             size = path.stat().st_size
@@ -224,4 +220,4 @@ class ImageLoader:
                 raise self._too_large(part, size)
             return path.read_bytes()
         except OSError as exc:
-            raise InvalidRequestError(f"{part.where}: cannot read {raw!r}: {exc.strerror}", param="messages") from None
+            raise ServingError.invalid_request(f"{part.where}: cannot read {raw!r}: {exc.strerror}", param="messages") from None

@@ -21,7 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from engines.base import ModelLoadError
+from engines.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

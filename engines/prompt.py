@@ -21,7 +21,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from engines.base import InvalidRequestError, MediaInput, NotSupportedError
+from engines.base import MediaInput
+from engines.errors import ServingError
 from engines.media import fit_pixels
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,8 @@ class PromptRenderer:
         `system`. `tools` (OpenAI tool definitions) are passed to the template.
 
         Raises:
-            InvalidRequestError: no messages, or content the template cannot take.
-            NotSupportedError: non-text content parts (images: use `render_chat_with_images`).
+            ServingError(INVALID_REQUEST): no messages, or content the template cannot take.
+            ServingError(NOT_SUPPORTED): non-text content parts (images: use `render_chat_with_images`).
         """
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=0)
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -115,18 +116,18 @@ class PromptRenderer:
             and the processor's tensors, e.g. `pixel_values` `[num_images, 3, H, W]`).
 
         Raises:
-            NotSupportedError: the model is not a vision-language model.
-            InvalidRequestError: as `render_chat`, or the processor rejects the prompt or images
+            ServingError(NOT_SUPPORTED): the model is not a vision-language model.
+            ServingError(INVALID_REQUEST): as `render_chat`, or the processor rejects the prompt or images
                 (e.g. the text itself contains the image token).
         """
         if not self.accepts_images:
-            raise NotSupportedError("this model does not accept images", param="messages")
+            raise ServingError.not_supported("this model does not accept images", param="messages")
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=len(images))
         fitted = [fit_pixels(image, self.image_max_pixels, self.image_min_pixels) for image in images]
         try:
             out = self.processor(text=text, images=fitted, add_special_tokens=False, return_tensors="pt")
         except Exception as exc:  # processors raise ValueError, IndexError, StopIteration... on bad input
-            raise InvalidRequestError(f"the model's processor could not take the prompt and its images: "
+            raise ServingError.invalid_request(f"the model's processor could not take the prompt and its images: "
                                       f"{type(exc).__name__}: {exc}", param="messages") from exc
         prompt_ids = out["input_ids"][0].tolist()
         model_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
@@ -137,9 +138,9 @@ class PromptRenderer:
                      add_generation_prompt: bool, template_kwargs: dict[str, Any], num_images: int) -> str:
         """The chat template's text for `messages`, with one image placeholder per image part."""
         if not messages:
-            raise InvalidRequestError("messages must not be empty", param="messages")
+            raise ServingError.invalid_request("messages must not be empty", param="messages")
         if self.chat_template is None:
-            raise InvalidRequestError(
+            raise ServingError.invalid_request(
                 "this model has no chat template; use /v1/completions or set `template`",
                 param="messages",
             )
@@ -147,7 +148,7 @@ class PromptRenderer:
         found = sum(1 for m in conversation if isinstance(m["content"], list)
                     for part in m["content"] if part["type"] == "image")
         if found != num_images:
-            raise InvalidRequestError(f"the messages have {found} image parts; {num_images} images were given",
+            raise ServingError.invalid_request(f"the messages have {found} image parts; {num_images} images were given",
                                       param="messages")
         if self.default_system and conversation[0]["role"] != "system":
             system = [{"type": "text", "text": self.default_system}] if self.accepts_images else self.default_system
@@ -159,7 +160,7 @@ class PromptRenderer:
                 add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs,
             )
         except Exception as exc:  # jinja2 errors from templates that raise on bad roles etc.
-            raise InvalidRequestError(f"chat template could not render the messages: {exc}",
+            raise ServingError.invalid_request(f"chat template could not render the messages: {exc}",
                                       param="messages") from exc
 
     def render_completion(self, prompt: str | list[int]) -> list[int]:
@@ -169,7 +170,7 @@ class PromptRenderer:
             vocab = len(self.tokenizer)
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
+                raise ServingError.invalid_request(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
                                           param="prompt")
             return list(prompt)
         return self.tokenizer.encode(prompt)
@@ -192,7 +193,7 @@ class PromptRenderer:
                 elif kind == "image_url" and as_parts:
                     parts.append({"type": "image"})
                 else:
-                    raise NotSupportedError(
+                    raise ServingError.not_supported(
                         f"messages[{index}].content: content part type {kind!r} is not supported "
                         f"for this model ({'text and image_url' if as_parts else 'text'} only)",
                         param=f"messages[{index}].content")

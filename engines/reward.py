@@ -18,7 +18,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from engines.base import InvalidRequestError, ModelInfo, ModelLoadError
+from engines.base import ModelInfo
+from engines.errors import ModelLoadError, ServingError
 from engines.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -130,13 +131,13 @@ class RewardModel:
         and returns floats (LLaMA-Factory returns a `[batch, 1]` tensor).
 
         Raises:
-            InvalidRequestError: a text with no tokens, or `max_length` over the context length.
+            ServingError(INVALID_REQUEST): a text with no tokens, or `max_length` over the context length.
         """
         import torch
 
         limit = max_length or self.info.max_model_len
         if limit > self.info.max_model_len:
-            raise InvalidRequestError(f"max_length {limit} exceeds this model's context length "
+            raise ServingError.invalid_request(f"max_length {limit} exceeds this model's context length "
                                       f"{self.info.max_model_len}", param="max_length")
         scores: list[float] = []
         for start in range(0, len(texts), batch_size):
@@ -146,7 +147,7 @@ class RewardModel:
             lengths = inputs["attention_mask"].sum(dim=-1)
             if bool((lengths == 0).any()):
                 empty = start + int((lengths == 0).nonzero()[0])
-                raise InvalidRequestError(f"messages[{empty}] has no tokens", param="messages")
+                raise ServingError.invalid_request(f"messages[{empty}] has no tokens", param="messages")
             with torch.inference_mode():
                 hidden = self.decoder(**inputs, use_cache=False).last_hidden_state  # [batch, seq, hidden]
                 values = self.value_head(hidden.float()).squeeze(-1)  # [batch, seq]

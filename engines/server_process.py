@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Awaitable, Callable
 
-from engines.base import EngineUnavailableError, ModelLoadError
+from engines.errors import ModelLoadError, ServingError
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +158,9 @@ class ServerProcess:
                 pass
 
     def check_alive(self) -> None:
-        """Raises EngineUnavailableError when the child has exited, with its status and last lines."""
+        """Raises ServingError (UNAVAILABLE) when the child has exited, with its status and last lines."""
         if not self.alive:
-            raise EngineUnavailableError(
+            raise ServingError.unavailable(
                 f"{self.name} server is not running (exit status {self.returncode}); its last output "
                 f"lines:\n{self.last_lines(10) or '(no output)'}")
 

@@ -39,18 +39,16 @@ import httpx
 from engines.base import (
     Capabilities,
     Engine,
-    EngineUnavailableError,
     GenerationDelta,
     GenerationRequest,
-    InvalidRequestError,
     ModelInfo,
-    ModelLoadError,
     SamplingParams,
     TokenLogprob,
     Usage,
     prepare_generation,
 )
 from engines.config import ConfigError, EngineConfig, parse_mapping
+from engines.errors import ModelLoadError, ServingError
 from engines.model_source import model_config_json, model_max_len, resolve_model_path
 from engines.server_process import ServerProcess, free_port
 
@@ -249,16 +247,16 @@ class _StreamParser:
         """One `data:` object of the stream -> a delta, or None while nothing can be passed on.
 
         Raises:
-            InvalidRequestError: SGLang refused the request (`{"error": ...}`, or an abort with
+            ServingError(INVALID_REQUEST): SGLang refused the request (`{"error": ...}`, or an abort with
                 status 400, e.g. a prompt longer than the context).
-            EngineUnavailableError: SGLang aborted it with status 500/503.
+            ServingError(UNAVAILABLE): SGLang aborted it with status 500/503.
         """
         if "error" in out:
-            raise InvalidRequestError(f"sglang: {_error_message(out)}")
+            raise ServingError.invalid_request(f"sglang: {_error_message(out)}")
         meta = out.get("meta_info") or {}
         index = int(out.get("index", 0))
         if not 0 <= index < len(self.choices):
-            raise EngineUnavailableError(f"sglang answered for choice {index} of {len(self.choices)}")
+            raise ServingError.unavailable(f"sglang answered for choice {index} of {len(self.choices)}")
         choice = self.choices[index]
         if choice.finished:
             return None
@@ -300,9 +298,9 @@ class _StreamParser:
         status = reason.get("status_code") if isinstance(reason, dict) else None
         message = reason.get("message", "aborted") if isinstance(reason, dict) else "aborted"
         if status == 400:
-            raise InvalidRequestError(f"sglang: {message}")
+            raise ServingError.invalid_request(f"sglang: {message}")
         if status in (500, 503):
-            raise EngineUnavailableError(f"sglang aborted the request ({status}): {message}")
+            raise ServingError.unavailable(f"sglang aborted the request ({status}): {message}")
         return "abort", None
 
     def _take_logprobs(self, choice: _Choice, meta: dict[str, Any]) -> None:
@@ -417,26 +415,26 @@ class SGLangEngine(Engine):
 
     def model_info(self) -> ModelInfo:
         if self._info is None:
-            raise EngineUnavailableError("engine not started")
+            raise ServingError.unavailable("engine not started")
         return self._info
 
     def _require_client(self) -> httpx.AsyncClient:
         if self._client is None or self.server is None or self._info is None:
-            raise EngineUnavailableError(f"{self.server_name} engine: not started or shut down")
+            raise ServingError.unavailable(f"{self.server_name} engine: not started or shut down")
         self.server.check_alive()
         return self._client
 
     async def check_health(self) -> None:
-        """Raises EngineUnavailableError when the server has exited, or its `/health` does not
+        """Raises ServingError (UNAVAILABLE) when the server has exited, or its `/health` does not
         answer 200 within `sglang_health_timeout_s` seconds."""
         client = self._require_client()
         try:
             response = await client.get("/health", timeout=self.config.sglang_health_timeout_s)
         except httpx.HTTPError as exc:
-            raise EngineUnavailableError(f"{self.server_name} server does not answer /health: "
+            raise ServingError.unavailable(f"{self.server_name} server does not answer /health: "
                                          f"{type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
-            raise EngineUnavailableError(f"{self.server_name} server /health answered {response.status_code}")
+            raise ServingError.unavailable(f"{self.server_name} server /health answered {response.status_code}")
 
     async def shutdown(self) -> None:
         """End the server's process group (SIGTERM, then SIGKILL) and close the HTTP client."""
@@ -485,11 +483,11 @@ class SGLangEngine(Engine):
                         yield delta
                     if parser.done:
                         return
-            raise EngineUnavailableError(f"{self.server_name} server ended the stream before every choice finished")
+            raise ServingError.unavailable(f"{self.server_name} server ended the stream before every choice finished")
         except httpx.HTTPError as exc:
             if self.server is not None:
                 self.server.check_alive()  # a dead server says why
-            raise EngineUnavailableError(f"{self.server_name} server: {type(exc).__name__}: {exc}") from exc
+            raise ServingError.unavailable(f"{self.server_name} server: {type(exc).__name__}: {exc}") from exc
         finally:
             self._running -= 1
             if not parser.done:
@@ -503,8 +501,8 @@ class SGLangEngine(Engine):
         except ValueError:
             message = response.text[:500]
         if response.status_code == 400:
-            return InvalidRequestError(f"sglang: {message}")
-        return EngineUnavailableError(f"{self.server_name} server answered {response.status_code}: {message}")
+            return ServingError.invalid_request(f"sglang: {message}")
+        return ServingError.unavailable(f"{self.server_name} server answered {response.status_code}: {message}")
 
     def _abort_soon(self, rids: list[str]) -> None:
         """Abort these request IDs at the server, without waiting (we may be being cancelled).

@@ -24,12 +24,9 @@ from typing import Any, AsyncIterator
 from engines.base import (
     Capabilities,
     Engine,
-    EngineUnavailableError,
     GenerationDelta,
     GenerationRequest,
-    InvalidRequestError,
     ModelInfo,
-    ModelLoadError,
     SamplingParams,
     StructuredOutput,
     TokenLogprob,
@@ -37,6 +34,7 @@ from engines.base import (
     prepare_generation,
 )
 from engines.config import ConfigError, EngineConfig, parse_mapping
+from engines.errors import ModelLoadError, ServingError
 from engines.model_source import model_max_len, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -187,7 +185,7 @@ class VLLMEngine(Engine):
 
     `AsyncLLM` belongs to the event loop that started it (its output handler is a task there):
     call `generate`, `check_health` and `shutdown` from that loop only (a Ray Serve replica has
-    one); another loop gets `EngineUnavailableError`.
+    one); another loop gets `ServingError` (UNAVAILABLE).
     """
 
     capabilities = Capabilities(backend="vllm", logprobs=True, lora=True, response_format=True, images=True)
@@ -299,18 +297,18 @@ class VLLMEngine(Engine):
 
     def model_info(self) -> ModelInfo:
         if self._info is None:
-            raise EngineUnavailableError("engine not started")
+            raise ServingError.unavailable("engine not started")
         return self._info
 
     def _require_llm(self) -> Any:
         if self._llm is None:
-            raise EngineUnavailableError("vllm engine: not started or shut down")
+            raise ServingError.unavailable("vllm engine: not started or shut down")
         try:
             same_loop = asyncio.get_running_loop() is self._loop
         except RuntimeError:  # called outside any loop (scheduler_stats): fine
             same_loop = True
         if not same_loop:
-            raise EngineUnavailableError("vllm engine: used from another event loop than the one that started it")
+            raise ServingError.unavailable("vllm engine: used from another event loop than the one that started it")
         return self._llm
 
     async def check_health(self) -> None:
@@ -318,7 +316,7 @@ class VLLMEngine(Engine):
         try:
             await llm.check_health()
         except Exception as exc:
-            raise EngineUnavailableError(f"vllm engine: {type(exc).__name__}: {exc}") from exc
+            raise ServingError.unavailable(f"vllm engine: {type(exc).__name__}: {exc}") from exc
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None
@@ -342,7 +340,7 @@ class VLLMEngine(Engine):
             vllm_params = VLLMSamplingParams(**sampling_arguments(params, max_tokens),
                                              output_kind=RequestOutputKind.DELTA)
         except (ValueError, VLLMClientError) as exc:
-            raise InvalidRequestError(str(exc), param=getattr(exc, "parameter", None)) from None
+            raise ServingError.invalid_request(str(exc), param=getattr(exc, "parameter", None)) from None
 
         choices = [_Choice() for _ in range(params.n)]
         stream = llm.generate(_prompt(request), vllm_params, request.request_id, lora_request=lora_request)
@@ -355,9 +353,9 @@ class VLLMEngine(Engine):
                 except StopAsyncIteration:
                     return
                 except (ValueError, VLLMClientError) as exc:  # vLLM's server answers both with 400
-                    raise InvalidRequestError(str(exc), param=getattr(exc, "parameter", None)) from None
+                    raise ServingError.invalid_request(str(exc), param=getattr(exc, "parameter", None)) from None
                 except EngineDeadError as exc:
-                    raise EngineUnavailableError(f"vllm engine died: {exc}") from exc
+                    raise ServingError.unavailable(f"vllm engine died: {exc}") from exc
                 deltas = [d for d in (self._delta(choices[o.index], o, params) for o in out.outputs) if d]
                 if out.finished:
                     usage = Usage(prompt_tokens=len(prompt_ids),
@@ -380,7 +378,7 @@ class VLLMEngine(Engine):
             choice.logprobs = (choice.logprobs or []) + self._logprobs(new_tokens, output.logprobs, params.logprobs)
         finish = output.finish_reason
         if finish == "error":
-            raise EngineUnavailableError("vllm engine: the request failed inside the engine (retryable)")
+            raise ServingError.unavailable("vllm engine: the request failed inside the engine (retryable)")
         if not output.text and finish is None:
             return None
         delta = GenerationDelta(

@@ -16,7 +16,7 @@ from ray.serve._private.autoscaling_state import _resolve_policy_callable
 from deployments.app import build_app, direct_streaming_options, model_deployment_options
 from deployments.autoscaling import QueueAwarePolicy, queue_aware_policy
 from deployments.constants import MODEL_DEPLOYMENT_DEFAULTS, TARGET_ONGOING_REQUESTS
-from deployments.errors import OverloadedError, to_error_response
+from deployments.errors import overloaded_from_backpressure, to_error_response
 from engines import BUILT_BACKENDS
 from engines.config import ConfigError, EngineConfig
 
@@ -121,10 +121,10 @@ def test_backpressure_maps_to_openai_503_with_retry_after():
     status, body = to_error_response(exc)
     assert status == 503
     assert body.error.type == "service_unavailable" and body.error.code == "overloaded"
-    assert OverloadedError.from_backpressure(exc).retry_after == 1  # the Retry-After header
+    assert overloaded_from_backpressure(exc).retry_after == 1  # the Retry-After header
     exc = BackPressureError(num_queued_requests=4, max_queued_requests=4, status_code=429, retry_after_s=2.5)
     assert to_error_response(exc)[0] == 429
-    assert OverloadedError.from_backpressure(exc).retry_after == 3
+    assert overloaded_from_backpressure(exc).retry_after == 3
 
 
 # ---- on a real local Ray cluster (slow) --------------------------------------------------

@@ -8,11 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.ingress import OpenAIIngress
 from deployments.protocol import ChatCompletionRequest
-from engines.base import Capabilities, NotSupportedError
+from deployments.router import check_capabilities
+from engines.base import Capabilities
 from engines.capabilities import FEATURE_LABELS, capabilities_table
 from engines.config import EngineConfig
+from engines.errors import ServingError
 
 BACKENDS_DOC = Path(__file__).resolve().parents[1] / "docs" / "backends.md"
 MSG = [{"role": "user", "content": "hi"}]
@@ -61,8 +62,8 @@ def test_the_ingress_refuses_each_missing_capability_by_name(feature):
     request = ChatCompletionRequest(messages=MSG, **fields)
     entry = SimpleNamespace(config=EngineConfig(), model_id="m", lora_name="a" if feature == "lora" else None,
                             capabilities=Capabilities(backend="somebackend", **{feature: False}))
-    with pytest.raises(NotSupportedError, match="not supported by the somebackend backend") as info:
-        OpenAIIngress._check_capabilities(entry, request)
+    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported", match="not supported by the somebackend backend") as info:
+        check_capabilities(entry, request)
     assert info.value.param == param
     entry.capabilities = Capabilities(backend="somebackend", **{f: True for f in FIELDS})
-    OpenAIIngress._check_capabilities(entry, request)  # with the capability, no refusal
+    check_capabilities(entry, request)  # with the capability, no refusal

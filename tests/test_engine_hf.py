@@ -6,7 +6,8 @@ import time
 import pytest
 
 from conftest import collect, run
-from engines.base import GenerationRequest, InvalidRequestError, SamplingParams
+from engines.base import GenerationRequest, SamplingParams
+from engines.errors import ServingError
 
 pytestmark = pytest.mark.slow
 
@@ -107,9 +108,9 @@ def test_concurrent_requests_get_their_own_answers(hf_engine, renderer):
 
 def test_context_length_is_checked(hf_engine):
     max_len = hf_engine.model_info().max_model_len
-    with pytest.raises(InvalidRequestError, match=f"{max_len}"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match=f"{max_len}"):
         generate(hf_engine, [1] * 10, max_tokens=max_len)
-    with pytest.raises(InvalidRequestError, match="maximum context length"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="maximum context length"):
         generate(hf_engine, [1] * max_len, max_tokens=1)
 
 
@@ -233,7 +234,7 @@ def test_logit_bias_applies_to_its_own_rows_in_a_shared_batch(hf_engine, rendere
 
 def test_logit_bias_token_id_outside_the_vocabulary_is_refused(hf_engine, renderer):
     vocab = hf_engine._model.get_output_embeddings().weight.shape[0]
-    with pytest.raises(InvalidRequestError, match=f"size {vocab}") as info:
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match=f"size {vocab}") as info:
         generate(hf_engine, renderer.render_chat(QUESTION), max_tokens=2, logit_bias={vocab: 1.0})
     assert info.value.param == "logit_bias"
 
@@ -289,7 +290,7 @@ def test_lora_adapters_mix_in_one_batch(model_dir, lora_dir, renderer, hf_engine
             return await asyncio.gather(collect(engine, one(None)), collect(engine, one("sft-lora")))
 
         assert [text_of(d) for d in run(together())] == [base, tuned]
-        with pytest.raises(InvalidRequestError, match="unknown LoRA adapter"):
+        with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="unknown LoRA adapter"):
             run(collect(engine, one("nope")))
     finally:
         run(engine.shutdown())

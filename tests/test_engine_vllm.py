@@ -8,7 +8,8 @@ import time
 import pytest
 
 from conftest import collect, run
-from engines.base import GenerationRequest, InvalidRequestError, SamplingParams, StructuredOutput
+from engines.base import GenerationRequest, SamplingParams, StructuredOutput
+from engines.errors import ServingError
 
 pytestmark = pytest.mark.slow
 
@@ -180,7 +181,7 @@ def test_logit_bias_minus_100_bans_the_greedy_first_token_as_on_huggingface(vllm
 
 
 def test_logit_bias_token_id_outside_the_vocabulary_is_refused(vllm_engine, renderer):
-    with pytest.raises(InvalidRequestError, match="size 49152") as info:
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="size 49152") as info:
         generate(vllm_engine, renderer.render_chat(QUESTION), max_tokens=2, logit_bias={49152: 1.0})
     assert info.value.param == "logit_bias"
 
@@ -221,17 +222,17 @@ def test_json_schema_output_validates(vllm_engine, renderer):
 def test_schema_vllm_cannot_compile_is_a_bad_request(vllm_engine):
     # valid by the metaschema (the ingress's check), but its reference points nowhere
     schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request"):
         generate(vllm_engine, [1] * 10, max_tokens=4, structured_output=StructuredOutput(schema))
 
 
 def test_context_length_is_checked(vllm_engine):
     max_len = vllm_engine.model_info().max_model_len
-    with pytest.raises(InvalidRequestError, match=f"{max_len}"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match=f"{max_len}"):
         generate(vllm_engine, [1] * 10, max_tokens=max_len)
-    with pytest.raises(InvalidRequestError, match="maximum context length"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="maximum context length"):
         generate(vllm_engine, [1] * max_len, max_tokens=1)
-    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="unknown LoRA adapter 'nope'"):
         generate(vllm_engine, [1] * 10, max_tokens=1, lora_name="nope")
 
 
@@ -324,8 +325,6 @@ def test_every_adapter_is_served_by_name(hf_engine, model_dir, renderer, tmp_pat
 
 
 def test_another_event_loop_gets_a_clear_error(vllm_engine, renderer):
-    from engines.base import EngineUnavailableError
-
-    with pytest.raises(EngineUnavailableError, match="event loop"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "unavailable", match="event loop"):
         run(collect(vllm_engine, GenerationRequest("x", renderer.render_chat(QUESTION), SamplingParams(max_tokens=1))))
     assert finish_of(generate(vllm_engine, renderer.render_chat(QUESTION), max_tokens=1)) == ["length"]

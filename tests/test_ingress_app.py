@@ -6,11 +6,10 @@ traceback). Real app, Starlette's test client, routes that raise; no model, no R
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.errors import BadRequestError, ModelNotFoundError
 from deployments.ingress import create_app
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.settings import IngressSettings
-from engines.base import InvalidRequestError
+from engines.errors import ErrorKind, ServingError
 
 KEY = "sk-test-app"
 
@@ -35,7 +34,7 @@ class _Routes:
         return {"object": "list", "data": []}
 
     async def get_model(self, model_id: str):
-        raise ModelNotFoundError(model_id, ["m"])
+        raise ServingError.model_not_found(model_id, ["m"])
 
     async def chat_completions(self, body: ChatCompletionRequest):
         self.reached += 1
@@ -49,7 +48,7 @@ class _Routes:
         raise NotImplementedError
 
 
-def _client(api_keys=None, raises: Exception = BadRequestError("bad", param="messages")):
+def _client(api_keys=None, raises: Exception = ServingError.invalid_request("bad", param="messages")):
     routes = _Routes(api_keys, raises)
     # raise_server_exceptions: an exception the app re-raises after answering fails the call here
     return TestClient(create_app(routes), raise_server_exceptions=True), routes
@@ -59,9 +58,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("raises, status", [
-    (BadRequestError("too long", param="messages"), 400),
-    (InvalidRequestError("prompt too long", param="prompt"), 400),
-    (ModelNotFoundError("nope", ["m"]), 404),
+    (ServingError.invalid_request("too long", param="messages"), 400),
+    (ServingError.not_supported("prompt too long", param="prompt"), 400),
+    (ServingError.model_not_found("nope", ["m"]), 404),
 ])
 def test_expected_errors_are_answered_and_not_re_raised(raises, status):
     client, _ = _client(raises=raises)
@@ -111,16 +110,15 @@ def test_without_keys_configured_nothing_is_checked():
 
 
 def test_prompt_errors_name_the_prompt_field_of_the_completions_route():
-    from deployments.errors import APIError
-    from deployments.ingress import _prompt_param
+    from deployments.serving_completion import prompt_param
 
-    for exc in (InvalidRequestError("too long", param="messages"),
-                APIError("too long", param="messages", status_code=400)):
-        with pytest.raises(type(exc)) as info, _prompt_param("prompt"):
+    for exc in (ServingError.invalid_request("too long", param="messages"),
+                ServingError(ErrorKind.NOT_SUPPORTED, "too long", param="messages")):
+        with pytest.raises(type(exc)) as info, prompt_param("prompt"):
             raise exc
         assert info.value.param == "prompt"
-    with pytest.raises(InvalidRequestError) as info, _prompt_param("prompt"):
-        raise InvalidRequestError("bad", param="max_tokens")
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request") as info, prompt_param("prompt"):
+        raise ServingError.invalid_request("bad", param="max_tokens")
     assert info.value.param == "max_tokens"
 
 

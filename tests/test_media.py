@@ -1,5 +1,5 @@
 """Loading `image_url` content parts (engines/media.py): sources allowed only by configuration,
-size, count and time limits, decoding; every failure a 400-class `InvalidRequestError`."""
+size, count and time limits, decoding; every failure a 400-class `ServingError` (INVALID_REQUEST)."""
 
 import asyncio
 import time
@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from conftest import SLOW_IMAGE_DELAY_S, data_url, png_bytes
-from engines.base import InvalidRequestError
+from deployments.errors import http_status
+from engines.errors import ServingError
 from engines.media import ImageLoader, ImagePart, MediaSettings, fit_pixels, image_parts
 
 
@@ -17,10 +18,10 @@ def load(urls, **settings):
     return asyncio.run(loader.load([ImagePart(f"messages[0].content[{i}]", u) for i, u in enumerate(urls)]))
 
 
-def load_error(url: str | list[str], **settings) -> InvalidRequestError:
-    with pytest.raises(InvalidRequestError) as info:
+def load_error(url: str | list[str], **settings) -> ServingError:
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request") as info:
         load(url if isinstance(url, list) else [url], **settings)
-    assert info.value.param == "messages" and info.value.status_code == 400
+    assert info.value.param == "messages" and http_status(info.value.kind) == 400
     return info.value
 
 
@@ -37,7 +38,7 @@ def test_image_parts_in_prompt_order():
 @pytest.mark.parametrize("part", [{"type": "image_url"}, {"type": "image_url", "image_url": "data:..."},
                                   {"type": "image_url", "image_url": {"url": ""}}])
 def test_image_part_without_url_is_refused(part):
-    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[0\]"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match=r"messages\[0\]\.content\[0\]"):
         image_parts([{"role": "user", "content": [part]}])
 
 

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from engines.base import ModelLoadError
 from engines.config import EngineConfig
+from engines.errors import ModelLoadError
 from engines.model_source import embedded_model_dir, resolve_model_path
 
 

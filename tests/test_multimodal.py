@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from conftest import TEST_API_KEY, collect, data_url, png_bytes, run, started_engine
-from engines.base import GenerationRequest, InvalidRequestError, MediaInput, NotSupportedError, SamplingParams
+from engines.base import GenerationRequest, MediaInput, SamplingParams
+from engines.errors import ServingError
 from tiny_vlm import IMAGE_TOKEN, TOKENS_PER_IMAGE
 
 pytestmark = pytest.mark.slow
@@ -57,19 +58,19 @@ def test_renderer_expands_each_image_to_the_models_image_tokens(vlm_renderer):
 def test_renderer_text_only_on_a_vlm_and_image_count_mismatch(vlm_renderer):
     ids = vlm_renderer.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert vlm_renderer.tokenizer.decode(ids).startswith("<|im_start|>system\nBe brief.<|im_end|>")
-    with pytest.raises(InvalidRequestError, match="2 image parts; 1 images"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="2 image parts; 1 images"):
         vlm_renderer.render_chat_with_images(ask(RED, BLUE), [RED])
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request"):
         vlm_renderer.render_chat(ask(RED))  # images need render_chat_with_images
-    with pytest.raises(InvalidRequestError, match="processor"):  # the text smuggles in an image token
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="processor"):  # the text smuggles in an image token
         vlm_renderer.render_chat_with_images(ask(RED, text=f"look {IMAGE_TOKEN}"), [RED])
 
 
 def test_text_only_renderer_refuses_images(renderer):
     assert not renderer.accepts_images
-    with pytest.raises(NotSupportedError):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported"):
         renderer.render_chat_with_images(ask(RED), [RED])
-    with pytest.raises(NotSupportedError, match="image_url"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported", match="image_url"):
         renderer.render_chat(ask(RED))
 
 
@@ -131,7 +132,7 @@ def test_without_kv_cache_the_image_is_seen_at_every_step(tiny_vlm_dir, vlm_engi
 
 def test_text_only_engine_refuses_images_naming_the_model(hf_engine, vlm_renderer, model_dir):
     ids, media = vlm_renderer.render_chat_with_images(ask(RED), [RED])
-    with pytest.raises(NotSupportedError, match=f"model {str(model_dir)!r} does not accept images"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported", match=f"model {str(model_dir)!r} does not accept images"):
         run(collect(hf_engine, GenerationRequest("x", ids[:10], SamplingParams(max_tokens=2), media=media)))
 
 
@@ -224,6 +225,6 @@ def test_qwen2_vl_style_model_refuses_images_on_huggingface(model_dir, tmp_path)
 
     with started_engine(model_name_or_path=str(build_tiny_qwen2_vl(tmp_path / "qwen", model_dir))) as engine:
         media = MediaInput(images=[RED], placeholder_prompt_ids=[1, 2])
-        with pytest.raises(NotSupportedError, match="use infer_backend: vllm"):
+        with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported", match="use infer_backend: vllm"):
             run(collect(engine, GenerationRequest("q", [1, 2, 3], SamplingParams(max_tokens=2), media=media)))
         assert run(collect(engine, GenerationRequest("q", [1, 2, 3], SamplingParams(max_tokens=2))))[-1].usage

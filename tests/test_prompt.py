@@ -2,7 +2,7 @@
 
 import pytest
 
-from engines.base import InvalidRequestError, NotSupportedError
+from engines.errors import ServingError
 from engines.prompt import PromptRenderer
 
 pytestmark = pytest.mark.slow  # loads the real tokenizer
@@ -41,14 +41,14 @@ def test_tools_are_passed_to_the_template(renderer):
 
 
 def test_bad_messages(renderer):
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request"):
         renderer.render_chat([])
-    with pytest.raises(NotSupportedError, match="image_url"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported", match="image_url"):
         renderer.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 
 
 def test_completion_prompt(renderer):
     assert renderer.render_completion([1, 2, 3]) == [1, 2, 3]
-    with pytest.raises(InvalidRequestError, match="out of range"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="out of range"):
         renderer.render_completion([10**9])
     assert decode(renderer, renderer.render_completion("The capital of France is")) == "The capital of France is"

@@ -6,10 +6,11 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from deployments.errors import ModelNotFoundError, to_error_response
+from deployments.errors import to_error_response
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
-from engines.base import GenerationRequest, InvalidRequestError, SamplingParams, StructuredOutput, prepare_generation
+from engines.base import GenerationRequest, SamplingParams, StructuredOutput, prepare_generation
 from engines.config import EngineConfig
+from engines.errors import ServingError
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -92,7 +93,7 @@ def test_logit_bias_token_ids_must_be_below_the_vocabulary_size():
         return prepare_generation(request, EngineConfig(), max_model_len=64, vocab_size=100)
 
     assert prepare({0: -100.0, 99: 100.0})[0].logit_bias == {0: -100.0, 99: 100.0}
-    with pytest.raises(InvalidRequestError, match=r"\[100, 1000\] are out of this model's vocabulary \(size 100\)") \
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match=r"\[100, 1000\] are out of this model's vocabulary \(size 100\)") \
             as info:
         prepare({5: 1.0, 1000: 1.0, 100: -1.0})
     assert info.value.param == "logit_bias"
@@ -101,9 +102,9 @@ def test_logit_bias_token_ids_must_be_below_the_vocabulary_size():
 
 
 def test_error_mapping_for_engine_and_model_errors():
-    status, err = to_error_response(ModelNotFoundError("x", ["smollm2"]))
+    status, err = to_error_response(ServingError.model_not_found("x", ["smollm2"]))
     assert (status, err.error.param, err.error.code) == (404, "model", "model_not_found")
-    status, err = to_error_response(InvalidRequestError("too long", param="max_tokens"))
+    status, err = to_error_response(ServingError.invalid_request("too long", param="max_tokens"))
     assert (status, err.error.param) == (400, "max_tokens")
     status, err = to_error_response(RuntimeError("boom"))
     assert status == 500 and "RuntimeError" in err.error.message

@@ -7,8 +7,9 @@ import shutil
 import pytest
 
 from conftest import direct_scores, run, write_value_head
-from engines.base import GenerationRequest, InvalidRequestError, ModelLoadError, NotSupportedError, SamplingParams
+from engines.base import GenerationRequest, SamplingParams
 from engines.config import EngineConfig
+from engines.errors import ModelLoadError, ServingError
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ def test_max_length_truncates_each_text(reward_engine, model_dir, reward_dir):
     assert scores == pytest.approx(direct_scores(model_dir, reward_dir, TEXTS[:2], max_length=4), abs=1e-4)
     # both texts share their first 4 tokens, so truncated they score the same
     assert scores[0] == pytest.approx(scores[1], abs=1e-5)
-    with pytest.raises(InvalidRequestError, match="max_length"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="max_length"):
         run(reward_engine.score(TEXTS, max_length=10**6))
 
 
@@ -48,9 +49,9 @@ def test_a_reward_model_does_not_generate_and_a_generating_one_does_not_score(re
     async def generate():
         return [d async for d in reward_engine.generate(GenerationRequest("r", [1, 2], SamplingParams(max_tokens=2)))]
 
-    with pytest.raises(NotSupportedError, match="reward model"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported", match="reward model"):
         run(generate())
-    with pytest.raises(NotSupportedError, match="only reward models score"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported", match="only reward models score"):
         run(hf_engine.score(TEXTS))
     run(reward_engine.check_health())
 

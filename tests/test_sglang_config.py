@@ -8,8 +8,9 @@ import pytest
 from conftest import KT_FIELDS, backend_config
 from deployments.app import model_deployment_options, parse_args
 from engines import engine_capabilities
-from engines.base import EngineUnavailableError, InvalidRequestError, SamplingParams
+from engines.base import SamplingParams
 from engines.config import ConfigError, EngineConfig
+from engines.errors import ServingError
 from engines.ktransformers import KTransformersEngine, kt_flags
 from engines.sglang import (
     SGLangEngine,
@@ -211,12 +212,12 @@ def test_finish_reasons_are_mapped():
     assert finish({"type": "stop", "matched": "Paris"}) == ("stop", "Paris")
     assert finish({"type": "stop", "matched": 5}, [5]) == ("stop", 5)
     assert finish({"type": "abort", "message": "Abort in running queue"}) == ("abort", None)
-    with pytest.raises(InvalidRequestError, match="longer than the model's context length"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="longer than the model's context length"):
         finish({"type": "abort", "status_code": 400, "message": "The input (9 tokens) is longer than the model's "
                                                                "context length (8 tokens)."})
-    with pytest.raises(EngineUnavailableError, match="503"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "unavailable", match="503"):
         finish({"type": "abort", "status_code": 503, "message": "overloaded"})
-    with pytest.raises(InvalidRequestError, match="bad stop"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="bad stop"):
         _StreamParser(SamplingParams()).feed({"error": {"message": "bad stop"}})
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import group_exists
-from engines.base import ModelLoadError
 from engines.config import EngineConfig
+from engines.errors import ModelLoadError
 from engines.sglang import SGLangEngine
 
 STANDIN = Path(__file__).parent / "standins" / "sglang_server.py"

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from starlette.requests import ClientDisconnect
 
-from deployments.ingress import _sse_response
+from deployments.sse import sse_response
 
 
 def _response_for(generation):
@@ -13,7 +13,7 @@ def _response_for(generation):
         async for i in generation:
             yield f"data: {i}\n\n"
 
-    return _sse_response(chunks(), count_error=lambda status: None, backend="huggingface", generation=generation)
+    return sse_response(chunks(), count_error=lambda status: None, backend="huggingface", generation=generation)
 
 
 def _generation(closed: asyncio.Event):

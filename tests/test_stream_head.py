@@ -1,5 +1,5 @@
 """The first token's SSE events leave the replica in one body write, before the response starts
-listening for a disconnect (deployments/ingress.py, `_ClosingStreamingResponse`): the real app of
+listening for a disconnect (deployments/sse.py, `ClosingStreamingResponse`): the real app of
 a direct-streaming replica over the real huggingface engine, driven at the ASGI level, no Ray."""
 
 import asyncio

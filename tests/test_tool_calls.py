@@ -63,11 +63,11 @@ def test_streaming_sends_plain_text_early():
 
 
 def test_the_ingress_streams_a_tool_call_as_openai_chunks():
-    """`OpenAIIngress._chat_chunks` over model text split into deltas: the role and the first
+    """`serving_chat.chat_chunks` over model text split into deltas: the role and the first
     delta in one write, the text before the call as content, then one chunk with the call."""
     import asyncio
 
-    from deployments.ingress import OpenAIIngress
+    from deployments.serving_chat import chat_chunks
     from engines.base import GenerationDelta
 
     pieces = [HERMES[:5], HERMES[5:30], HERMES[30:]]
@@ -78,8 +78,7 @@ def test_the_ingress_streams_a_tool_call_as_openai_chunks():
             yield delta
 
     async def collect():
-        chunks = OpenAIIngress._chat_chunks(None, "chatcmpl-1", 0, "m", 1, deltas[:1], rest(), False,
-                                            parse_tools=True)
+        chunks = chat_chunks("chatcmpl-1", 0, "m", 1, deltas[:1], rest(), False, parse_tools=True)
         return [text async for text in chunks]
 
     writes = asyncio.run(collect())

@@ -45,8 +45,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.base import EngineError, GenerationRequest, SamplingParams as EngineSamplingParams
+from engines.base import GenerationRequest, SamplingParams as EngineSamplingParams
 from engines.config import EngineConfig
+from engines.errors import ServingError
 from engines.huggingface import HuggingFaceEngine
 
 log = logging.getLogger("sglang.standin")
@@ -186,7 +187,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     async def health() -> Response:
         try:
             await engine.check_health()
-        except EngineError:
+        except ServingError:
             return Response(status_code=503)
         return Response(status_code=200)
 
@@ -265,7 +266,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                 try:
                     async for out in outputs():
                         yield b"data: " + json.dumps(out).encode() + b"\n\n"
-                except EngineError as exc:
+                except ServingError as exc:
                     yield b"data: " + json.dumps({"error": {"message": exc.message}}).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
 
@@ -275,7 +276,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             async for out in outputs():
                 if out["meta_info"]["finish_reason"] is not None:
                     finals[out.get("index", 0)] = {k: v for k, v in out.items() if k != "index"}
-        except EngineError as exc:
+        except ServingError as exc:
             return _error(exc.message)
         return finals[0] if sp.n == 1 else [finals[i] for i in range(sp.n)]
 
@@ -340,7 +341,7 @@ async def _run(engine: HuggingFaceEngine, request: GenerationRequest, rids: list
                 queue.put_nowait(output(i, {"type": "abort", "message": "Abort before prefill" if not output_ids[i]
                                             else "Abort in running queue"}))
         queue.put_nowait(None)
-    except EngineError as exc:
+    except ServingError as exc:
         await queue.put(exc)
 
 

@@ -1,0 +1,86 @@
+"""Server-sent events as OpenAI's API frames them: every event one `data: <JSON>` line and a
+blank line, an error after the stream has started as one more event in OpenAI's error shape,
+and `data: [DONE]` last, however the stream ended.
+
+`ClosingStreamingResponse` is the Starlette response that carries them: it writes the first body
+part at once and closes the generation behind it when the response ends.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
+
+import anyio
+from fastapi.responses import StreamingResponse
+
+from deployments.errors import to_error_response
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def sse_event(payload: dict) -> str:
+    """One event: `payload` as JSON (non-ASCII text kept as is) on one `data:` line."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def response_headers(backend: str) -> dict[str, str]:
+    """Headers of every generation response. `x-lmserve-backend` tells clients (and tests) which
+    inference backend answered; Ray Serve's proxy adds the request's ID as `x-request-id`."""
+    return {"x-lmserve-backend": backend}
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A `StreamingResponse` that writes its first body part at once and closes the generation
+    behind it when the response ends, however it ends. Starlette closes nothing when the client
+    goes away while a chunk is being sent: the async generators would stay suspended until the
+    garbage collector finalizes them, and with them the engine's request and the replica's count
+    of requests in flight."""
+
+    def __init__(self, content: AsyncIterator[str], generation: AsyncGenerator[Any, None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._generation = generation
+
+    async def stream_response(self, send: Any) -> None:
+        # Starlette's, less the response start: `__call__` has sent it with the first body part.
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk.encode(self.charset), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            # The headers and the first body part (the first token's chunks are ready when the
+            # response is made) are written from this task, before Starlette starts its task
+            # group to listen for a disconnect: that takes a task and an event-loop pass more.
+            first = await anext(self.body_iterator, None)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if first is not None:
+                await send({"type": "http.response.body", "body": first.encode(self.charset), "more_body": True})
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):  # also when the response was cancelled
+                await self._generation.aclose()
+
+
+def sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None], backend: str,
+                 generation: AsyncGenerator[Any, None]) -> StreamingResponse:
+    """`chunks` (SSE events, several per string allowed) as a `text/event-stream` response.
+
+    An error raised while streaming (a `ServingError` from the engine, the deadline, a failed
+    replica, ...) becomes one error event (`to_error_response`'s body) and is counted with
+    `count_error(status)`; the status line has long been sent. `generation` (the stream that
+    `chunks` reads) is closed when the response ends.
+    """
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for text in chunks:
+                yield text
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+            status, err = to_error_response(exc)
+            count_error(status)
+            yield sse_event(err.model_dump())
+        yield DONE_EVENT
+
+    return ClosingStreamingResponse(body(), generation, media_type="text/event-stream",
+                                    headers={**response_headers(backend), "cache-control": "no-cache"})
