@@ -2,7 +2,7 @@
 # GPU check of the vllm backend: on a machine with an NVIDIA GPU, in under ten
 # minutes, install lmserve with the CUDA vLLM, serve the default model through Ray Serve with
 # `infer_backend: vllm` on the GPU, send a few requests (plain, streamed, stop string, n=2) and
-# print the answers and tokens/s. Output also goes to bench/results/gpu_check-<date>.txt.
+# print the answers and tokens/s. Output also goes to bench/results/gpu_check.txt.
 #
 #   bash bench/lab/gpu_check.sh            # run from the repository root
 #
@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p bench/results
-out="bench/results/gpu_check-$(date +%Y%m%d-%H%M%S).txt"
+out="bench/results/gpu_check.txt"
 exec > >(tee "$out") 2>&1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -5,7 +5,7 @@
 # default model through Ray Serve with `infer_backend: sglang` (the replica launches
 # `<that venv>/bin/python -m sglang.launch_server` as its child process), send a few requests
 # (plain, streamed, stop string, n=2, logprobs) and print the answers and tokens/s.
-# Output also goes to bench/results/gpu_check_sglang-<date>.txt.
+# Output also goes to bench/results/gpu_check_sglang.txt.
 #
 #   bash bench/lab/gpu_check_sglang.sh            # run from the repository root
 #
@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p bench/results
-out="bench/results/gpu_check_sglang-$(date +%Y%m%d-%H%M%S).txt"
+out="bench/results/gpu_check_sglang.txt"
 exec > >(tee "$out") 2>&1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
