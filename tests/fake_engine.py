@@ -110,7 +110,7 @@ class Reply:
             token (`EOS_TOKEN`, counted in `usage` as engines count it) follows the last piece
             and ends the choice with finish reason "stop". Choice `i` of a request with `n`
             choices takes `choices[i % len(choices)]`.
-        error: raised by `generate` (an `engines.base.EngineError` as engines raise, or any
+        error: raised by `generate` (an `engines.errors.ServingError` as engines raise, or any
             exception for an engine that crashes).
         error_after: deltas yielded before `error` is raised (0: before the first).
         delay_s: seconds slept before each delta (deadlines, clients that go away).
@@ -181,7 +181,7 @@ class FakeEngine(Engine):
         engine yields them; the last delta carries `usage`.
 
         Raises:
-            InvalidRequestError: from `prepare_generation` (context length, token ids), as
+            ServingError: from `prepare_generation` (context length, token ids), as
                 every backend checks before generating.
             Whatever the reply's `error` is, after `error_after` deltas.
         """

@@ -9,6 +9,7 @@ import json
 import openai
 import pytest
 
+from engines.errors import ServingError
 from fake_engine import (FakeEngine, Reply, build_fake_app, openai_client, serve_fake, sse_events,  # noqa: F401
                          tiny_model_dir)
 
@@ -63,6 +64,29 @@ def test_an_engine_that_fails_before_the_first_token_is_a_500(tiny_model_dir, st
     r = asyncio.run(main())
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     assert "device lost" in assert_openai_error(r.json(), "internal_error")["message"]
+
+
+def test_an_engine_s_request_error_keeps_its_kind_and_field_before_and_after_the_first_token(tiny_model_dir):
+    before = FakeEngine(Reply(error=ServingError.invalid_request("stop: at most 4 strings", param="stop")))
+    after = FakeEngine(Reply([ANSWER], error=ServingError.unavailable("the engine died"), error_after=1))
+
+    async def main():
+        async with serve_fake(before, tiny_model_dir) as http:
+            refused = await post(http, "/v1/chat/completions", {**CHAT, "stream": True})
+        async with serve_fake(after, tiny_model_dir) as http:
+            died = await post(http, "/v1/chat/completions", {**CHAT, "stream": True})
+            died_full = await post(http, "/v1/chat/completions", CHAT)
+        return refused, died, died_full
+
+    refused, died, died_full = asyncio.run(main())
+    assert refused.status_code == 400
+    assert assert_openai_error(refused.json(), "invalid_request_error", "stop")["message"] == "stop: at most 4 strings"
+    assert died.status_code == 200
+    events = sse_events(died.text)
+    assert events[-1] == "[DONE]"
+    assert assert_openai_error(events[-2], "service_unavailable")["message"] == "the engine died"
+    assert died_full.status_code == 503
+    assert assert_openai_error(died_full.json(), "service_unavailable")["message"] == "the engine died"
 
 
 def test_an_engine_error_mid_stream_is_an_error_event_then_done(tiny_model_dir):
