@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.errors import to_error_response
@@ -173,6 +173,6 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, request: Request):
         return await self.serving_completion.create_completion(body, request)
 
-    async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> JSONResponse:
+    async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> Response:
         """Reward scores for `body.messages` (LLaMA-Factory's `/v1/score/evaluation`)."""
         return await self.serving_completion.score_evaluation(body, request)

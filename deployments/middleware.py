@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Callable
 
 from starlette.datastructures import Headers
@@ -50,9 +49,8 @@ class BodySizeLimitMiddleware:
         return f"request body is larger than the limit of {self.max_bytes} bytes"
 
     async def _reject(self, send: Send) -> None:
-        body = json.dumps({"error": {"message": self._message(), "type": "invalid_request_error",
-                                     "param": None, "code": "request_too_large"}}).encode()
-        await _send_json(send, 413, body)
+        status, body = to_error_response(ServingError(ErrorKind.REQUEST_TOO_LARGE, self._message()))
+        await _send_json(send, status, body.model_dump_json().encode())
 
 
 async def _send_json(send: Send, status: int, body: bytes) -> None:
@@ -103,6 +101,6 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         self.on_reject()
-        status, body = to_error_response(
-            ServingError(ErrorKind.AUTHENTICATION, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>'."))
+        status, body = to_error_response(ServingError(
+            ErrorKind.AUTHENTICATION, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>'."))
         await _send_json(send, status, body.model_dump_json().encode())

@@ -13,6 +13,12 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
+from openai.types import Completion, Model
+from openai.types import CompletionChoice as OpenAICompletionChoice
+from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
+from openai.types.chat.chat_completion import Choice as OpenAIChatChoice
+from openai.types.chat.chat_completion_chunk import Choice as OpenAIChunkChoice
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -386,21 +392,24 @@ class ScoreEvaluationRequest(OpenAIBaseModel):
 
 
 # ---- responses -----------------------------------------------------------------------------
+# Built on the `openai` package's types, widened where lmserve answers as vLLM does: a finish
+# reason may be "abort" (the engine dropped the choice) and a completion chunk's may be null,
+# and `stop_reason` names the stop string or token id that ended a choice. Responses are
+# serialized with `model_dump_json(exclude_unset=True)`: a field is sent when the builder sets
+# it, so a chunk carries `"finish_reason": null` and `"logprobs": null` as OpenAI's API sends
+# them, and no `"tool_calls": null` or `"system_fingerprint": null`. Builders set `object`.
 
 
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
+class ModelCard(Model):
+    """An entry of `GET /v1/models`; `root` is the weights' path or hub ID (the adapter's for a
+    LoRA adapter), `parent` the base model ID of an adapter (vLLM's fields)."""
 
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
+    object: Literal["model"] = "model"
     owned_by: str = "lmserve"
     root: str | None = None
     parent: str | None = None
+    shutdown_date: str | None = Field(None, exclude=True)  # OpenAI's, for models it retires
 
 
 class ModelList(BaseModel):
@@ -408,67 +417,34 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: dict[str, Any] | None = None
+class ChatCompletionChoice(OpenAIChatChoice):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
+class ChatCompletionResponse(ChatCompletion):
     choices: list[ChatCompletionChoice]
-    usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatCompletionChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: dict[str, Any] | None = None
+class ChatCompletionChunkChoice(OpenAIChunkChoice):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
+class ChatCompletionChunk(OpenAIChatCompletionChunk):
     choices: list[ChatCompletionChunkChoice]
-    usage: UsageInfo | None = None
 
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: dict[str, Any] | None = None
+class CompletionChoice(OpenAICompletionChoice):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
+class CompletionResponse(Completion):
+    """A completion, or one chunk of a streamed completion (OpenAI's API uses this one shape for
+    both)."""
+
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class ScoreEvaluationResponse(BaseModel):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import uuid
 from functools import partial
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from openai.types import CompletionUsage
+from pydantic import BaseModel
 
-from deployments.protocol import UsageInfo
 from deployments.router import ModelEntry, ModelRouter
 from deployments.settings import IngressSettings
 from deployments.sse import response_headers, sse_response
@@ -44,14 +45,16 @@ class OpenAIServing:
                             generation)
 
 
-def usage_info(usage: Usage | None) -> UsageInfo:
+def usage_info(usage: Usage | None) -> CompletionUsage:
     """OpenAI's `usage` of an engine's `Usage` (zeros when the engine reported none)."""
     if usage is None:
-        return UsageInfo()
-    return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                     total_tokens=usage.total_tokens)
+        return CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+    return CompletionUsage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                           total_tokens=usage.total_tokens)
 
 
-def json_response(model: Any, backend: str) -> JSONResponse:
-    """A response model as JSON, with the headers of every generation response."""
-    return JSONResponse(model.model_dump(), headers=response_headers(backend))
+def json_response(model: BaseModel, backend: str) -> Response:
+    """A response model as JSON (the fields its builder set: deployments/protocol.py), with the
+    headers of every generation response."""
+    return Response(model.model_dump_json(exclude_unset=True), media_type="application/json",
+                    headers=response_headers(backend))

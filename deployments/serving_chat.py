@@ -14,18 +14,18 @@ import time
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletionMessage
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from deployments import constants
 from deployments.protocol import (
-    AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    DeltaMessage,
-    UsageInfo,
 )
 from deployments.router import ModelEntry, ModelRouter, check_capabilities, label_request
 from deployments.serving import OpenAIServing, json_response, usage_info
@@ -53,7 +53,7 @@ class ChatServing(OpenAIServing):
         self.image_loader = image_loader
 
     async def create_chat_completion(self, body: ChatCompletionRequest,
-                                     request: Request) -> JSONResponse | StreamingResponse:
+                                     request: Request) -> Response | StreamingResponse:
         """The chat completion of `body`: JSON, or SSE chunks when `body.stream`.
 
         Raises:
@@ -84,13 +84,14 @@ class ChatServing(OpenAIServing):
         choices = []
         for i in range(body.n):
             content, calls = parse_tool_calls(full.texts[i]) if body.tools_enabled else (full.texts[i], [])
+            tool_calls = {"tool_calls": [c.to_openai() for c in calls]} if calls else {}  # no `"tool_calls": null`
+            message = ChatCompletionMessage(role="assistant", content=content, **tool_calls)
             choices.append(ChatCompletionChoice(
-                index=i, message=AssistantMessage(content=content, tool_calls=[c.to_openai() for c in calls] or None),
-                logprobs=chat_logprobs(full.logprobs[i]),
+                index=i, message=message, logprobs=chat_logprobs(full.logprobs[i]),
                 finish_reason="tool_calls" if calls else full.finish_reasons[i], stop_reason=full.stop_reasons[i]))
         return json_response(ChatCompletionResponse(
-            id=request_id, created=created, model=entry.model_id, usage=usage_info(full.usage), choices=choices),
-            entry.capabilities.backend)
+            id=request_id, object="chat.completion", created=created, model=entry.model_id,
+            usage=usage_info(full.usage), choices=choices), entry.capabilities.backend)
 
     async def render_prompt(self, entry: ModelEntry, body: ChatCompletionRequest,
                             messages: list[dict]) -> tuple[list[int], MediaInput | None]:
@@ -137,9 +138,17 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
     Yields:
         One or more SSE events per string; the first string holds the role chunk and `first`'s.
     """
-    def chunk(choices: list[ChatCompletionChunkChoice], usage: UsageInfo | None = None) -> str:
-        c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
-        return sse_event(c.model_dump(exclude={"usage"} if not include_usage else set()))
+    # with `include_usage`, every chunk carries `usage` (null until the last), as OpenAI's API sends it
+    def chunk(choices: list[ChatCompletionChunkChoice], usage: CompletionUsage | None = None) -> str:
+        c = ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created, model=model,
+                                choices=choices, **({"usage": usage} if include_usage else {}))
+        return sse_event(c.model_dump_json(exclude_unset=True))
+
+    def choice(index: int, delta: ChoiceDelta, logprobs: dict | None = None, finish_reason: str | None = None,
+               stop_reason: str | int | None = None) -> ChatCompletionChunkChoice:
+        # every field set, so a null is sent (OpenAI's API sends `logprobs` and `finish_reason` as null)
+        return ChatCompletionChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                         stop_reason=stop_reason)
 
     usage = None
     streamers = [ToolCallStreamer() for _ in range(n)] if parse_tools else None
@@ -156,21 +165,18 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
         if calls:
             out = []
             if text:
-                out.append(chunk([ChatCompletionChunkChoice(index=delta.index, delta=DeltaMessage(content=text))]))
-            out.append(chunk([ChatCompletionChunkChoice(
-                index=delta.index, delta=DeltaMessage(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
-                finish_reason="tool_calls", stop_reason=delta.stop_reason)]))
+                out.append(chunk([choice(delta.index, ChoiceDelta(content=text))]))
+            out.append(chunk([choice(delta.index, ChoiceDelta(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
+                                     finish_reason="tool_calls", stop_reason=delta.stop_reason)]))
             return out
         if text or finish or delta.logprobs:
-            return [chunk([ChatCompletionChunkChoice(
-                index=delta.index, delta=DeltaMessage(content=text), logprobs=chat_logprobs(delta.logprobs),
-                finish_reason=finish, stop_reason=delta.stop_reason)])]
+            return [chunk([choice(delta.index, ChoiceDelta(content=text), chat_logprobs(delta.logprobs), finish,
+                                  delta.stop_reason)])]
         return []
 
     # The role chunk and the chunks of the deltas already here leave in one body write: one
     # send through uvicorn, HAProxy and the client instead of one per event (same events).
-    head = [chunk([ChatCompletionChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                   for i in range(n)])]
+    head = [chunk([choice(i, ChoiceDelta(role="assistant", content="")) for i in range(n)])]
     for delta in first:
         head += render(delta)
     yield "".join(head)

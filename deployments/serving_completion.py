@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import AsyncIterator, Iterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from deployments import constants
 from deployments.protocol import (
@@ -44,7 +44,7 @@ def prompt_param(name: str) -> Iterator[None]:
 class CompletionServing(OpenAIServing):
     """Serves completions and reward scores."""
 
-    async def create_completion(self, body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    async def create_completion(self, body: CompletionRequest, request: Request) -> Response | StreamingResponse:
         """The completion of `body.prompt`: JSON, or SSE chunks when `body.stream`.
 
         Raises:
@@ -85,21 +85,22 @@ class CompletionServing(OpenAIServing):
         with prompt_param("prompt"):
             full = await self.router.generate_full(entry, gen_request, body.n, arrival)
         return json_response(CompletionResponse(
-            id=request_id, created=created, model=entry.model_id, usage=usage_info(full.usage),
+            id=request_id, object="text_completion", created=created, model=entry.model_id,
+            usage=usage_info(full.usage),
             choices=[CompletionChoice(index=i, text=full.texts[i], finish_reason=full.finish_reasons[i],
                                       stop_reason=full.stop_reasons[i], logprobs=completion_logprobs(full.logprobs[i]))
                      for i in range(body.n)],
         ), entry.capabilities.backend)
 
-    async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> JSONResponse:
+    async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> Response:
         """Reward scores for `body.messages` (LLaMA-Factory's `/v1/score/evaluation`), one float
         per text; METHOD_NOT_ALLOWED (405) for a model that generates."""
         entry = self.router.resolve(body.model)
         label_request(request, entry)
         check_route(entry, scoring=True)
         scores = await self.router.score(entry, body.messages, body.max_length)
-        return json_response(ScoreEvaluationResponse(id=self.request_id(request, "scoreval"), model=entry.model_id,
-                                                     scores=scores), entry.capabilities.backend)
+        return json_response(ScoreEvaluationResponse(id=self.request_id(request, "scoreval"), object="score.evaluation",
+                                                     model=entry.model_id, scores=scores), entry.capabilities.backend)
 
 
 async def completion_chunks(request_id: str, created: int, model: str, first: list[GenerationDelta],
@@ -117,10 +118,12 @@ async def completion_chunks(request_id: str, created: int, model: str, first: li
             return []
         logprobs = completion_logprobs(delta.logprobs, offsets.get(delta.index, 0))
         offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
-        c = CompletionResponse(id=request_id, created=created, model=model, choices=[CompletionChoice(
-            index=delta.index, text=delta.text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-            logprobs=logprobs)])
-        return [sse_event(c.model_dump(exclude={"usage"} if not include_usage else set()))]
+        c = CompletionResponse(id=request_id, object="text_completion", created=created, model=model,
+                               choices=[CompletionChoice(index=delta.index, text=delta.text,
+                                                         finish_reason=delta.finish_reason,
+                                                         stop_reason=delta.stop_reason, logprobs=logprobs)],
+                               **({"usage": None} if include_usage else {}))
+        return [sse_event(c.model_dump_json(exclude_unset=True))]
 
     head = [text for delta in first for text in render(delta)]  # one body write, as for chat
     if head:
@@ -129,8 +132,9 @@ async def completion_chunks(request_id: str, created: int, model: str, first: li
         for text in render(delta):
             yield text
     if include_usage and usage is not None:
-        c = CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage_info(usage))
-        yield sse_event(c.model_dump())
+        c = CompletionResponse(id=request_id, object="text_completion", created=created, model=model, choices=[],
+                               usage=usage_info(usage))
+        yield sse_event(c.model_dump_json(exclude_unset=True))
 
 
 def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> dict | None:

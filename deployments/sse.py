@@ -8,7 +8,6 @@ part at once and closes the generation behind it when the response ends.
 
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 import anyio
@@ -19,9 +18,9 @@ from deployments.errors import to_error_response
 DONE_EVENT = "data: [DONE]\n\n"
 
 
-def sse_event(payload: dict) -> str:
-    """One event: `payload` as JSON (non-ASCII text kept as is) on one `data:` line."""
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse_event(data: str) -> str:
+    """One event: `data` (JSON on one line) as its `data:` line."""
+    return f"data: {data}\n\n"
 
 
 def response_headers(backend: str) -> dict[str, str]:
@@ -79,7 +78,7 @@ def sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None],
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
             status, err = to_error_response(exc)
             count_error(status)
-            yield sse_event(err.model_dump())
+            yield sse_event(err.model_dump_json())
         yield DONE_EVENT
 
     return ClosingStreamingResponse(body(), generation, media_type="text/event-stream",
