@@ -229,7 +229,8 @@ class FakeEngine(Engine):
             return self._delta(choice, len(choice.text))
         choice.text += piece
         longest = max(map(len, stop), default=0)
-        hits = [(pos, s) for s in stop if (pos := choice.text.find(s, max(0, choice.emitted_chars - longest + 1))) != -1]
+        start = max(0, choice.emitted_chars - longest + 1)
+        hits = [(pos, s) for s in stop if (pos := choice.text.find(s, start)) != -1]
         if hits:
             pos, choice.stop_reason = min(hits)
             choice.finish_reason = "stop"

@@ -233,7 +233,8 @@ def test_a_client_that_goes_away_mid_stream_stops_the_engine_s_request(tiny_mode
                 bodies.append(message["body"])
 
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.0"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+                 "raw_path": b"/v1/chat/completions",
                  "root_path": "", "query_string": b"", "server": ("lmserve.test", 80), "client": ("127.0.0.1", 1),
                  "headers": [(b"host", b"lmserve.test"), (b"content-type", b"application/json"),
                              (b"content-length", str(len(raw)).encode())]}
