@@ -284,7 +284,8 @@ class FullGeneration:
         self.usage: Usage | None = None
 
 
-async def _chain(first: list[GenerationDelta], stream: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:
+async def _chain(first: list[GenerationDelta],
+                 stream: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:
     for delta in first:
         yield delta
     async for delta in stream:

@@ -205,16 +205,16 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
     for tid in params.stop_token_ids:
         if not 0 <= tid < bound:
             raise ServingError.invalid_request(f"stop_token_ids: {tid} is not a token id of this model",
-                                      param="stop_token_ids")
+                                               param="stop_token_ids")
     # Checked as vLLM (`SamplingParams._validate_logit_bias`) and SGLang (`verify`) do: the ids
     # index the logits row, whose width is the vocabulary size.
     outside = sorted(tid for tid in params.logit_bias or {} if not 0 <= tid < bound)
     if outside:
         raise ServingError.invalid_request(f"logit_bias: token id(s) {outside[:10]} are out of this model's vocabulary "
-                                  f"(size {vocab_size})", param="logit_bias")
+                                           f"(size {vocab_size})", param="logit_bias")
     if request.lora_name is not None and request.lora_name not in config.lora_adapters:
         raise ServingError.invalid_request(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
-                                  f"{sorted(config.lora_adapters)}", param="model")
+                                           f"{sorted(config.lora_adapters)}", param="model")
     return params, max_tokens
 
 
@@ -295,7 +295,7 @@ class Engine(abc.ABC):
             ServingError(INVALID_REQUEST): a text the model cannot score (no tokens, `max_length` too long).
         """
         raise ServingError.not_supported(f"scoring is not supported by the {self.capabilities.backend} backend",
-                                param="model")
+                                         param="model")
 
     @property
     def num_running(self) -> int:

@@ -222,7 +222,7 @@ class HuggingFaceEngine(Engine):
         """
         if self._reward is None:
             raise ServingError.not_supported("this model generates text (stage 'sft'); only reward models score",
-                                    param="model")
+                                             param="model")
         async with self._score_lock:
             return await asyncio.to_thread(self._reward.score, texts, max_length)
 
@@ -241,7 +241,7 @@ class HuggingFaceEngine(Engine):
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         if self._reward is not None:
             raise ServingError.not_supported(f"this is a reward model (stage {self.config.stage!r}): it scores texts "
-                                    "and does not generate", param="model")
+                                             "and does not generate", param="model")
         await self.check_health()
         state = self._new_state(request)
         loop = asyncio.get_running_loop()
@@ -293,12 +293,12 @@ class HuggingFaceEngine(Engine):
             return None
         if not self._accepts_images:
             raise ServingError.not_supported(f"model {self.config.model_name_or_path!r} does not accept images",
-                                    param="messages")
+                                             param="messages")
         if self._mrope:
             # Batched decode passes 1-D positions; these models need their 3-D image positions.
-            raise ServingError.not_supported(f"images on model {self.config.model_name_or_path!r} (multimodal rotary "
-                                    "positions, Qwen2-VL style) are not supported by the huggingface backend; "
-                                    "use infer_backend: vllm", param="messages")
+            raise ServingError.not_supported(
+                f"images on model {self.config.model_name_or_path!r} (multimodal rotary positions, Qwen2-VL style) "
+                "are not supported by the huggingface backend; use infer_backend: vllm", param="messages")
         model = self._model
         return {k: v.to(model.device, dtype=model.dtype if v.is_floating_point() else v.dtype)
                 if hasattr(v, "to") else v for k, v in request.media.model_inputs.items()}
@@ -310,8 +310,8 @@ class HuggingFaceEngine(Engine):
         params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
                                                 vocab_size=vocab)
         if params.structured_output is not None:  # the ingress refuses it first (Capabilities)
-            raise ServingError.not_supported("response_format (JSON output) is not supported by the huggingface backend",
-                                    param="response_format")
+            raise ServingError.not_supported(
+                "response_format (JSON output) is not supported by the huggingface backend", param="response_format")
         generator = torch.Generator(device=self._model.device)
         generator.manual_seed(params.seed if params.seed is not None else uuid.uuid4().int & (2**63 - 1))
         return _RequestState(

@@ -83,7 +83,7 @@ def image_parts(messages: list[dict[str, Any]]) -> list[ImagePart]:
             url = image_url.get("url") if isinstance(image_url, dict) else None
             if not isinstance(url, str) or not url:
                 raise ServingError.invalid_request(f"{where}: an image_url part needs `image_url: {{\"url\": ...}}`",
-                                          param="messages")
+                                                   param="messages")
             parts.append(ImagePart(where, url))
     return parts
 
@@ -104,7 +104,7 @@ def decode_image(data: bytes, where: str) -> Any:
             image.load()
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
         raise ServingError.invalid_request(f"{where}: cannot decode the image: {type(exc).__name__}: {exc}",
-                                  param="messages") from None
+                                           param="messages") from None
     return image
 
 
@@ -143,7 +143,7 @@ class ImageLoader:
         limit = self.settings.max_images_per_request
         if len(parts) > limit:
             raise ServingError.invalid_request(f"the request has {len(parts)} images; at most {limit} are allowed per "
-                                      "request", param="messages")
+                                               "request", param="messages")
         return list(await asyncio.gather(*(self._load_one(part) for part in parts)))
 
     async def _load_one(self, part: ImagePart) -> Any:
@@ -156,39 +156,39 @@ class ImageLoader:
             data = await asyncio.to_thread(self._from_file, part)
         else:
             raise ServingError.invalid_request(f"{part.where}: unsupported image URL {url[:60]!r}; use a data URL "
-                                      "(data:image/png;base64,...)", param="messages")
+                                               "(data:image/png;base64,...)", param="messages")
         return await asyncio.to_thread(decode_image, data, part.where)
 
     def _too_large(self, part: ImagePart, size: int) -> ServingError:
-        return ServingError.invalid_request(f"{part.where}: the image is larger than {self.settings.max_image_bytes} bytes "
-                                   f"({size})", param="messages")
+        return ServingError.invalid_request(
+            f"{part.where}: the image is larger than {self.settings.max_image_bytes} bytes ({size})", param="messages")
 
     def _from_data_url(self, part: ImagePart) -> bytes:
         header, sep, payload = part.url.partition(",")
         if not sep or not header.endswith(";base64"):
             raise ServingError.invalid_request(f"{part.where}: a data URL must be base64 encoded "
-                                      "(data:image/png;base64,...)", param="messages")
+                                               "(data:image/png;base64,...)", param="messages")
         if len(payload) * 3 // 4 > self.settings.max_image_bytes:
             raise self._too_large(part, len(payload) * 3 // 4)
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise ServingError.invalid_request(f"{part.where}: the data URL is not valid base64: {exc}",
-                                      param="messages") from None
+                                               param="messages") from None
 
     async def _from_http(self, part: ImagePart) -> bytes:
         import httpx
 
         if not self.settings.allow_remote_media:
             raise ServingError.invalid_request(f"{part.where}: remote image URLs are not allowed on this server "
-                                      "(media.allow_remote_media is off); send a data URL", param="messages")
+                                               "(media.allow_remote_media is off); send a data URL", param="messages")
         timeout = self.settings.media_fetch_timeout_s
         try:
             async with asyncio.timeout(timeout), httpx.AsyncClient(timeout=timeout, follow_redirects=True) as client:
                 async with client.stream("GET", part.url) as response:
                     if response.status_code != 200:
                         raise ServingError.invalid_request(f"{part.where}: fetching the image failed: HTTP "
-                                                  f"{response.status_code}", param="messages")
+                                                           f"{response.status_code}", param="messages")
                     chunks, size = [], 0
                     async for chunk in response.aiter_bytes():
                         size += len(chunk)
@@ -198,26 +198,27 @@ class ImageLoader:
                     return b"".join(chunks)
         except TimeoutError:
             raise ServingError.invalid_request(f"{part.where}: fetching the image took longer than {timeout:g} s",
-                                      param="messages") from None
+                                               param="messages") from None
         except httpx.HTTPError as exc:
             raise ServingError.invalid_request(f"{part.where}: fetching the image failed: {type(exc).__name__}: {exc}",
-                                      param="messages") from None
+                                               param="messages") from None
 
     def _from_file(self, part: ImagePart) -> bytes:
         root = self.settings.allowed_local_media_path
         if not root:
             raise ServingError.invalid_request(f"{part.where}: local image paths are not allowed on this server "
-                                      "(media.allowed_local_media_path is not set); send a data URL",
-                                      param="messages")
+                                               "(media.allowed_local_media_path is not set); send a data URL",
+                                               param="messages")
         raw = unquote(urlparse(part.url).path) if part.url.startswith("file:") else part.url
         path = Path(raw).resolve()  # symlinks and `..` resolved before the containment check
         if not path.is_relative_to(Path(root).resolve()):
             raise ServingError.invalid_request(f"{part.where}: {raw!r} is outside the allowed local media path",
-                                      param="messages")
+                                               param="messages")
         try:
             size = path.stat().st_size
             if size > self.settings.max_image_bytes:
                 raise self._too_large(part, size)
             return path.read_bytes()
         except OSError as exc:
-            raise ServingError.invalid_request(f"{part.where}: cannot read {raw!r}: {exc.strerror}", param="messages") from None
+            raise ServingError.invalid_request(f"{part.where}: cannot read {raw!r}: {exc.strerror}",
+                                               param="messages") from None

@@ -128,7 +128,7 @@ class PromptRenderer:
             out = self.processor(text=text, images=fitted, add_special_tokens=False, return_tensors="pt")
         except Exception as exc:  # processors raise ValueError, IndexError, StopIteration... on bad input
             raise ServingError.invalid_request(f"the model's processor could not take the prompt and its images: "
-                                      f"{type(exc).__name__}: {exc}", param="messages") from exc
+                                               f"{type(exc).__name__}: {exc}", param="messages") from exc
         prompt_ids = out["input_ids"][0].tolist()
         model_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
         placeholder_ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -149,7 +149,7 @@ class PromptRenderer:
                     for part in m["content"] if part["type"] == "image")
         if found != num_images:
             raise ServingError.invalid_request(f"the messages have {found} image parts; {num_images} images were given",
-                                      param="messages")
+                                               param="messages")
         if self.default_system and conversation[0]["role"] != "system":
             system = [{"type": "text", "text": self.default_system}] if self.accepts_images else self.default_system
             conversation.insert(0, {"role": "system", "content": system})
@@ -161,7 +161,7 @@ class PromptRenderer:
             )
         except Exception as exc:  # jinja2 errors from templates that raise on bad roles etc.
             raise ServingError.invalid_request(f"chat template could not render the messages: {exc}",
-                                      param="messages") from exc
+                                               param="messages") from exc
 
     def render_completion(self, prompt: str | list[int]) -> list[int]:
         """Tokenize a completion prompt (special tokens added as the tokenizer does by default,
@@ -171,7 +171,7 @@ class PromptRenderer:
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise ServingError.invalid_request(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
-                                          param="prompt")
+                                                   param="prompt")
             return list(prompt)
         return self.tokenizer.encode(prompt)
 

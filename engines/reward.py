@@ -138,7 +138,7 @@ class RewardModel:
         limit = max_length or self.info.max_model_len
         if limit > self.info.max_model_len:
             raise ServingError.invalid_request(f"max_length {limit} exceeds this model's context length "
-                                      f"{self.info.max_model_len}", param="max_length")
+                                               f"{self.info.max_model_len}", param="max_length")
         scores: list[float] = []
         for start in range(0, len(texts), batch_size):
             batch = texts[start:start + batch_size]

@@ -432,7 +432,7 @@ class SGLangEngine(Engine):
             response = await client.get("/health", timeout=self.config.sglang_health_timeout_s)
         except httpx.HTTPError as exc:
             raise ServingError.unavailable(f"{self.server_name} server does not answer /health: "
-                                         f"{type(exc).__name__}: {exc}") from exc
+                                           f"{type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
             raise ServingError.unavailable(f"{self.server_name} server /health answered {response.status_code}")
 

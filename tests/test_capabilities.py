@@ -62,7 +62,8 @@ def test_the_ingress_refuses_each_missing_capability_by_name(feature):
     request = ChatCompletionRequest(messages=MSG, **fields)
     entry = SimpleNamespace(config=EngineConfig(), model_id="m", lora_name="a" if feature == "lora" else None,
                             capabilities=Capabilities(backend="somebackend", **{feature: False}))
-    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported", match="not supported by the somebackend backend") as info:
+    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported",
+                       match="not supported by the somebackend backend") as info:
         check_capabilities(entry, request)
     assert info.value.param == param
     entry.capabilities = Capabilities(backend="somebackend", **{f: True for f in FIELDS})

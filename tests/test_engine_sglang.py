@@ -225,7 +225,8 @@ def test_ktransformers_passes_kt_flags_and_a_stopped_or_killed_server_fails_the_
         while engine.server.alive:
             assert time.monotonic() < deadline
             srun(asyncio.sleep(0.1))
-        with pytest.raises(ServingError, check=lambda e: e.kind == "unavailable", match=r"ktransformers server is not running \(exit status -9\)"):
+        with pytest.raises(ServingError, check=lambda e: e.kind == "unavailable",
+                           match=r"ktransformers server is not running \(exit status -9\)"):
             srun(engine.check_health())
         with pytest.raises(ServingError, check=lambda e: e.kind == "unavailable"):
             srun(collect(engine, GenerationRequest("k2", [1, 2, 3], SamplingParams(max_tokens=2))))

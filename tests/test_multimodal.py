@@ -62,7 +62,8 @@ def test_renderer_text_only_on_a_vlm_and_image_count_mismatch(vlm_renderer):
         vlm_renderer.render_chat_with_images(ask(RED, BLUE), [RED])
     with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request"):
         vlm_renderer.render_chat(ask(RED))  # images need render_chat_with_images
-    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="processor"):  # the text smuggles in an image token
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request",
+                       match="processor"):  # the text smuggles in an image token
         vlm_renderer.render_chat_with_images(ask(RED, text=f"look {IMAGE_TOKEN}"), [RED])
 
 
@@ -132,7 +133,8 @@ def test_without_kv_cache_the_image_is_seen_at_every_step(tiny_vlm_dir, vlm_engi
 
 def test_text_only_engine_refuses_images_naming_the_model(hf_engine, vlm_renderer, model_dir):
     ids, media = vlm_renderer.render_chat_with_images(ask(RED), [RED])
-    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported", match=f"model {str(model_dir)!r} does not accept images"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported",
+                       match=f"model {str(model_dir)!r} does not accept images"):
         run(collect(hf_engine, GenerationRequest("x", ids[:10], SamplingParams(max_tokens=2), media=media)))
 
 

@@ -93,8 +93,8 @@ def test_logit_bias_token_ids_must_be_below_the_vocabulary_size():
         return prepare_generation(request, EngineConfig(), max_model_len=64, vocab_size=100)
 
     assert prepare({0: -100.0, 99: 100.0})[0].logit_bias == {0: -100.0, 99: 100.0}
-    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match=r"\[100, 1000\] are out of this model's vocabulary \(size 100\)") \
-            as info:
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request",
+                       match=r"\[100, 1000\] are out of this model's vocabulary \(size 100\)") as info:
         prepare({5: 1.0, 1000: 1.0, 100: -1.0})
     assert info.value.param == "logit_bias"
     status, err = to_error_response(info.value)

@@ -212,7 +212,8 @@ def test_finish_reasons_are_mapped():
     assert finish({"type": "stop", "matched": "Paris"}) == ("stop", "Paris")
     assert finish({"type": "stop", "matched": 5}, [5]) == ("stop", 5)
     assert finish({"type": "abort", "message": "Abort in running queue"}) == ("abort", None)
-    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="longer than the model's context length"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request",
+                       match="longer than the model's context length"):
         finish({"type": "abort", "status_code": 400, "message": "The input (9 tokens) is longer than the model's "
                                                                "context length (8 tokens)."})
     with pytest.raises(ServingError, check=lambda e: e.kind == "unavailable", match="503"):
