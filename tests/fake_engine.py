@@ -261,13 +261,16 @@ class FakeEngine(Engine):
 
 
 async def build_fake_app(engine: FakeEngine, model_dir: Path, *, model_id: str = "fake",
-                         config: dict[str, Any] | None = None, **settings: Any):
+                         config: dict[str, Any] | None = None, max_requests: int | None = None,
+                         backpressure_config: dict[str, Any] | None = None, **settings: Any):
     """The FastAPI app of an ingress replica that serves `engine` in-process as `model_id` (as a
     direct-streaming replica does; no Ray): the production app, routes, middleware and errors.
 
     Args:
         model_dir: the model directory the prompt renderer loads (`write_tiny_model_dir`).
         config: more `EngineConfig` fields of the model entry (e.g. `default_system`).
+        max_requests, backpressure_config: the replica's bound on generations at once and Ray
+            Serve's `backpressure_config` (status code, `retry_after_s`) for the one over it.
         settings: `deployments.settings.IngressSettings` fields (`api_keys`, `request_timeout_s`, ...).
 
     Call it from the event loop that serves the requests; the engine is started here.
@@ -278,7 +281,8 @@ async def build_fake_app(engine: FakeEngine, model_dir: Path, *, model_id: str =
     await engine.start()
     entry = {"model_name_or_path": str(model_dir), "infer_backend": engine.capabilities.backend, **(config or {})}
     ingress = OpenAIIngress.__new__(OpenAIIngress)  # as a direct-streaming replica, engine already built
-    await ingress._setup({model_id: entry}, {model_id: InProcessClient(engine)}, settings)
+    await ingress._setup({model_id: entry}, {model_id: InProcessClient(engine)}, settings, max_requests=max_requests,
+                         backpressure_config=backpressure_config)
     return create_app(ingress)
 
 

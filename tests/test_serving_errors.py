@@ -151,6 +151,25 @@ def test_a_request_past_its_deadline_before_any_output_is_a_504(tiny_model_dir, 
     assert engine.cancelled == [engine.requests[0].request_id]
 
 
+def test_a_request_over_the_replica_s_bound_is_refused_at_once_with_retry_after(tiny_model_dir):
+    engine = FakeEngine(Reply([ANSWER], delay_s=0.05))
+
+    async def main():
+        async with serve_fake(engine, tiny_model_dir, max_requests=1,
+                              backpressure_config={"status_code": 429, "retry_after_s": 1.5}) as http:
+            first = asyncio.create_task(post(http, "/v1/chat/completions", {**CHAT, "stream": True}))
+            while not engine.requests:  # the first is generating
+                await asyncio.sleep(0.005)
+            refused = await post(http, "/v1/chat/completions", {**CHAT, "stream": True})
+            return await first, refused
+
+    first, refused = asyncio.run(main())
+    assert first.status_code == 200 and sse_events(first.text)[-1] == "[DONE]"
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "2"  # whole seconds, rounded up
+    assert assert_openai_error(refused.json(), "rate_limit_error")["code"] == "overloaded"
+    assert len(engine.requests) == 1  # refused before the engine
+
+
 def test_an_unknown_model_is_a_404_and_no_model_means_the_only_one(tiny_model_dir):
     async def main():
         async with serve_fake(FakeEngine(Reply([ANSWER])), tiny_model_dir) as http:
