@@ -2,13 +2,14 @@
 
 Per request: parse and validate (deployments/protocol.py) -> check the API key
 (deployments/middleware.py) -> resolve the model ID (deployments/router.py) -> render the prompt
-once and stream deltas from the model (deployments/serving_chat.py, serving_completion.py) ->
-OpenAI JSON or SSE chunks (deployments/sse.py); errors become OpenAI's error body in one place
-(deployments/errors.py). The ingress sees each request's whole life, so it records lmserve's
-Prometheus metrics (deployments/metrics.py). The class is plain; `deployments.app.build_app`
-wraps it with `serve.ingress()` and `serve.deployment`. Its FastAPI app is built per replica by
-`create_app`, after the constructor (Ray Serve's `__serve_build_asgi_app__` hook), so HTTP
-settings (CORS, body size limit) come from the application's args.
+once and stream deltas from the model (deployments/serving_chat.py, serving_completion.py;
+reward scores: serving_score.py) -> OpenAI JSON or SSE chunks (deployments/sse.py); errors
+become OpenAI's error body in one place (deployments/errors.py). The ingress sees each
+request's whole life, so it records lmserve's Prometheus metrics (deployments/metrics.py). The
+class is plain; `deployments.app.build_app` wraps it with `serve.ingress()` and
+`serve.deployment`. Its FastAPI app is built per replica by `create_app`, after the constructor
+(Ray Serve's `__serve_build_asgi_app__` hook), so HTTP settings (CORS, body size limit) come
+from the application's args.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from deployments.protocol import (
 from deployments.router import ModelEntry, ModelRouter
 from deployments.serving_chat import ChatServing
 from deployments.serving_completion import CompletionServing
+from deployments.serving_score import ScoreServing
 from deployments.settings import IngressSettings
 from engines.config import EngineConfig
 from engines.errors import ServingError
@@ -135,6 +137,7 @@ class OpenAIIngress:
                                   max_requests=max_requests, backpressure_config=backpressure_config)
         self.serving_chat = ChatServing(self.router, self.settings, ImageLoader(self.settings.media))
         self.serving_completion = CompletionServing(self.router, self.settings)
+        self.serving_score = ScoreServing(self.router, self.settings)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self)
@@ -175,4 +178,4 @@ class OpenAIIngress:
 
     async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> Response:
         """Reward scores for `body.messages` (LLaMA-Factory's `/v1/score/evaluation`)."""
-        return await self.serving_completion.score_evaluation(body, request)
+        return await self.serving_score.score_evaluation(body, request)

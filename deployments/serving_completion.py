@@ -1,5 +1,5 @@
-"""`POST /v1/completions` (a prompt, text or token ids, continued as is) and
-`POST /v1/score/evaluation` (LLaMA-Factory's reward scores), after vLLM's `serving_completion.py`."""
+"""`POST /v1/completions`: a prompt (text or token ids) continued as is -> a completion, or its
+chunks as server-sent events (vLLM's `serving_completion.py`)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from deployments import constants
-from deployments.protocol import (
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    ScoreEvaluationRequest,
-    ScoreEvaluationResponse,
-)
-from deployments.router import check_capabilities, check_route, label_request
+from deployments.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from deployments.router import check_capabilities, label_request
 from deployments.serving import OpenAIServing, json_response, usage_info
 from deployments.sse import sse_event
 from engines.base import GenerationDelta, GenerationRequest, TokenLogprob
@@ -42,7 +36,7 @@ def prompt_param(name: str) -> Iterator[None]:
 
 
 class CompletionServing(OpenAIServing):
-    """Serves completions and reward scores."""
+    """Serves completions."""
 
     async def create_completion(self, body: CompletionRequest, request: Request) -> Response | StreamingResponse:
         """The completion of `body.prompt`: JSON, or SSE chunks when `body.stream`.
@@ -91,16 +85,6 @@ class CompletionServing(OpenAIServing):
                                       stop_reason=full.stop_reasons[i], logprobs=completion_logprobs(full.logprobs[i]))
                      for i in range(body.n)],
         ), entry.capabilities.backend)
-
-    async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> Response:
-        """Reward scores for `body.messages` (LLaMA-Factory's `/v1/score/evaluation`), one float
-        per text; METHOD_NOT_ALLOWED (405) for a model that generates."""
-        entry = self.router.resolve(body.model)
-        label_request(request, entry)
-        check_route(entry, scoring=True)
-        scores = await self.router.score(entry, body.messages, body.max_length)
-        return json_response(ScoreEvaluationResponse(id=self.request_id(request, "scoreval"), object="score.evaluation",
-                                                     model=entry.model_id, scores=scores), entry.capabilities.backend)
 
 
 async def completion_chunks(request_id: str, created: int, model: str, first: list[GenerationDelta],
