@@ -300,6 +300,17 @@ def openai_client(http: httpx.AsyncClient, api_key: str = "unused") -> openai.As
     return openai.AsyncOpenAI(base_url=f"{BASE_URL}/v1", api_key=api_key, http_client=http, max_retries=0)
 
 
+def post_scope(path: str, body: bytes, spec_version: str = "2.0") -> dict[str, Any]:
+    """The ASGI scope of a JSON POST of `body` to `path`, for tests that drive the app at the
+    ASGI level (the order of writes and `receive` calls; a client that hangs up). With ASGI spec
+    version 2.0 to 2.3 Starlette listens for `http.disconnect` while it streams."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+            "query_string": b"", "server": ("lmserve.test", 80), "client": ("127.0.0.1", 1),
+            "headers": [(b"host", b"lmserve.test"), (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())]}
+
+
 def sse_events(body: str) -> list[Any]:
     """The events of an SSE body as the OpenAI API frames them: every event one `data: <payload>`
     line followed by a blank line. Returns the decoded JSON payloads, and `"[DONE]"` as itself.

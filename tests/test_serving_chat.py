@@ -3,9 +3,10 @@ through HTTP and the official `openai` client; no model, no Ray. SSE framing, us
 `n` choices, sampling params reaching the engine, stop strings, tool calls and logprobs."""
 
 import asyncio
+import json
 
-from fake_engine import (EOS_TOKEN, FakeEngine, Reply, openai_client, prompt_text, serve_fake, sse_events,  # noqa: F401
-                         tiny_model_dir)
+from fake_engine import (EOS_TOKEN, FakeEngine, Reply, build_fake_app, openai_client,  # noqa: F401
+                         post_scope, prompt_text, serve_fake, sse_events, tiny_model_dir)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = ["The", " capital", " is", " Paris", "."]
@@ -196,3 +197,38 @@ def test_chat_logprobs_one_per_token_streamed_and_not(tiny_model_dir):
     assert content[0].bytes == list(ANSWER[0].encode())
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+
+def test_the_role_and_first_token_leave_in_one_write_before_the_disconnect_listener(tiny_model_dir):
+    """Driven at the ASGI level: the first body part holds the role chunk and the first token's,
+    and is sent before the response first calls `receive` to listen for a disconnect."""
+    raw = json.dumps(chat_body(stream=True)).encode()
+
+    async def main():
+        app = await build_fake_app(FakeEngine(Reply([ANSWER], delay_s=0.01)), tiny_model_dir)
+        log, finished = [], asyncio.Event()
+
+        async def receive():
+            log.append(("receive", None))
+            if len(log) == 1:
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await finished.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                log.append(("body", message.get("body", b"")))
+                if not message.get("more_body"):
+                    finished.set()
+
+        await asyncio.wait_for(app(post_scope("/v1/chat/completions", raw), receive, send), 10)
+        return log
+
+    log = asyncio.run(main())
+    first = next(i for i, (kind, body) in enumerate(log) if kind == "body" and body)
+    assert [kind for kind, _ in log[:first]] == ["receive"]  # only the request was read before it
+    head = sse_events(log[first][1].decode())
+    assert head[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["choices"][0]["delta"].get("content") for c in head[1:]] == [ANSWER[0]]
+    events = sse_events(b"".join(body for kind, body in log if kind == "body").decode())
+    assert events[-1] == "[DONE]"

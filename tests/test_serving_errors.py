@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from engines.errors import ServingError
-from fake_engine import (FakeEngine, Reply, build_fake_app, openai_client, serve_fake, sse_events,  # noqa: F401
-                         tiny_model_dir)
+from fake_engine import (FakeEngine, Reply, build_fake_app, openai_client, post_scope, serve_fake,  # noqa: F401
+                         sse_events, tiny_model_dir)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT = {"model": "fake", "messages": QUESTION}
@@ -251,13 +251,7 @@ def test_a_client_that_goes_away_mid_stream_stops_the_engine_s_request(tiny_mode
             if message["type"] == "http.response.body" and message.get("body"):
                 bodies.append(message["body"])
 
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.0"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
-                 "raw_path": b"/v1/chat/completions",
-                 "root_path": "", "query_string": b"", "server": ("lmserve.test", 80), "client": ("127.0.0.1", 1),
-                 "headers": [(b"host", b"lmserve.test"), (b"content-type", b"application/json"),
-                             (b"content-length", str(len(raw)).encode())]}
-        await asyncio.wait_for(app(scope, receive, send), 10)
+        await asyncio.wait_for(app(post_scope("/v1/chat/completions", raw), receive, send), 10)
         return bodies
 
     bodies = asyncio.run(main())
