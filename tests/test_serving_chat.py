@@ -5,8 +5,9 @@ through HTTP and the official `openai` client; no model, no Ray. SSE framing, us
 import asyncio
 import json
 
-from fake_engine import (EOS_TOKEN, FakeEngine, Reply, build_fake_app, openai_client,  # noqa: F401
-                         post_scope, prompt_text, serve_fake, sse_events, tiny_model_dir)
+from fake_engine import (EOS_TOKEN, FakeEngine, Reply, build_fake_app, openai_client, post_scope, prompt_text,
+                         serve_fake, sse_events)
+from fake_engine import tiny_model_dir  # noqa: F401 - a fixture
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = ["The", " capital", " is", " Paris", "."]

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from engines.errors import ServingError
-from fake_engine import (FakeEngine, Reply, build_fake_app, openai_client, post_scope, serve_fake,  # noqa: F401
-                         sse_events, tiny_model_dir)
+from fake_engine import FakeEngine, Reply, build_fake_app, openai_client, post_scope, serve_fake, sse_events
+from fake_engine import tiny_model_dir  # noqa: F401 - a fixture
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT = {"model": "fake", "messages": QUESTION}
