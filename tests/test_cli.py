@@ -67,6 +67,27 @@ def test_a_serve_config_that_is_not_yaml_or_not_a_serve_config_is_exit_2(tmp_pat
     assert proc.returncode == 2 and "applications" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("application, message", [
+    ("import_path: deployments.nope:build_app", "cannot import `import_path` 'deployments.nope:build_app'"),
+    ("import_path: deployments.app:build_app\n    args: {models: [{model_id: x, infer_backnd: vllm}]}",
+     "unknown field 'infer_backnd'"),
+    ("import_path: deployments.app:build_app\n    deployments: [{name: OpenAIIngress, num_replicas: 2}]",
+     "`deployments`: applied only by Serve's controller"),
+    ("import_path: deployments.app:build_app\n    runtime_env: {env_vars: {A: '1'}}\n"
+     "  - name: b\n    route_prefix: /b\n    import_path: deployments.app:build_app",
+     "need one `runtime_env`"),
+])
+def test_serve_refuses_an_application_it_cannot_deploy_before_starting_ray(tmp_path, application, message):
+    """Each application is built in the `lmserve serve` process before Ray starts: an import or
+    `args` error, or a field only Serve's controller applies, is one line naming the file and
+    exit 2, not an application that fails in the cluster while the command runs on."""
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(f"applications:\n  - name: a\n    route_prefix: /a\n    {application}\n")
+    proc = subprocess.run(LMSERVE + ["serve", str(config)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert str(config) in proc.stderr and message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_check_validates_llamafactory_yamls_with_overrides_and_serve_configs(tmp_path, lf_config):
     def check(*args):
         proc = subprocess.run(LMSERVE + ["check", *map(str, args)], capture_output=True, text=True, timeout=120)
