@@ -48,7 +48,7 @@ class AppArgs(BaseModel):
 
     models: list[ModelEntry] = Field(..., min_length=1, description="The models served, at least one.")
     api_keys: list[str] | None = Field(
-        None, description="Accepted API keys; default: `api_key_file`, else `$API_KEY`, else `$API_KEY_FILE`. "
+        None, description="Accepted API keys; default: `api_key_file`, else `$API_KEY_FILE`, else `$API_KEY`. "
         "Ray Serve logs application arguments: prefer a key file or the environment.")
     api_key_file: str | None = Field(None, description="A file with one accepted API key per line.")
     cors_allow_origins: list[str] | None = Field(

@@ -113,15 +113,15 @@ class IngressSettings(BaseModel):
     """How the ingress treats HTTP requests: the fields set in the application's `args`, the rest
     from `Settings` on the replica.
 
-    API keys come from `api_keys`, else the file `api_key_file` (one key per line), else
-    `$API_KEY` (LLaMA-Factory's variable; comma-separated for several), else
-    `$API_KEY_FILE`. With none, the API is open. Prefer the file or the environment over
+    API keys come from `api_keys`, else the file `api_key_file` (one key per line), else the
+    file `$API_KEY_FILE`, else `$API_KEY` (LLaMA-Factory's variable; comma-separated for
+    several). With none, the API is open. Prefer the file or the environment over
     `api_keys`: Ray Serve logs application arguments.
     """
 
     api_keys: list[str] | None = Field(
         None, description="Accepted API keys (Bearer tokens), a list or comma-separated; default: "
-        "`api_key_file`, else `$API_KEY`, else `$API_KEY_FILE`. Ray Serve logs application arguments: "
+        "`api_key_file`, else `$API_KEY_FILE`, else `$API_KEY`. Ray Serve logs application arguments: "
         "prefer a key file or the environment.")
     api_key_file: str | None = Field(None, description="A file with one accepted API key per line.")
     cors_allow_origins: list[str] = Field(
