@@ -202,6 +202,9 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServeDeploySchema.model_validate(_read_yaml(args.config))
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source=args.config, what="Ray Serve config")) from None
+    if config.target_capacity is not None:
+        raise ConfigError(f"{args.config}: `target_capacity`: applied only by Serve's controller (Ray's "
+                          f"`serve run`/`serve deploy`), not by `lmserve serve`")
     runtime_env = _job_runtime_env(config, args.config)
     targets = [_run_target(app, config, args.config) for app in config.applications]
     _isolate_a_new_local_cluster(config.http_options.port)
@@ -245,8 +248,6 @@ def _run_target(app, config, source: str):
     from ray.serve import RunTarget
 
     controller_only = [field for field in ("deployments", "autoscaling_policy") if getattr(app, field)]
-    if config.target_capacity is not None:
-        controller_only.append("target_capacity")
     if controller_only:
         raise ConfigError(f"{source}: application {app.name!r}: `{'`, `'.join(controller_only)}`: applied only by "
                           f"Serve's controller (Ray's `serve run`/`serve deploy`), not by `lmserve serve`; "
