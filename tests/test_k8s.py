@@ -6,6 +6,7 @@ The RayService is validated against KubeRay's CRD schemas (their `openAPIV3Schem
 """
 
 import functools
+import gzip
 import json
 import re
 import tomllib
@@ -21,9 +22,8 @@ from deployments.rayservice import embedded_serve_config, render_rayservice
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-SCHEMAS = ROOT.parent / "shared" / "k8s-schemas"
-if not SCHEMAS.is_dir():  # a fresh clone elsewhere: the schemas stay in the project's shared dir
-    SCHEMAS = Path("/work/shared/k8s-schemas")
+# KubeRay's RayService and RayCluster CRDs (Apache-2.0), gzipped: tests/data/kuberay-crds/README.md
+SCHEMAS = Path(__file__).parent / "data" / "kuberay-crds"
 METRICS_PORT = 8080
 
 
@@ -33,7 +33,8 @@ def _rayservice() -> dict:
 
 @functools.cache
 def _crd_schema(filename: str, version: str = "v1") -> dict:
-    crd = yaml.load((SCHEMAS / filename).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    text = gzip.decompress((SCHEMAS / f"{filename}.gz").read_bytes())
+    crd = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     return next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]
 
 
