@@ -87,6 +87,15 @@ def assert_stream_matches_full(client, **args) -> list:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A weightless model directory for the fast tier (`fake_engine.write_tiny_model_dir`: a
+    byte-level tokenizer with a ChatML template), once per session."""
+    from fake_engine import write_tiny_model_dir
+
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
 def model_dir():
     """The embedded default model, converted on first use into $LMSERVE_HOME."""
     from engines.model_source import ensure_embedded_model

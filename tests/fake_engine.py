@@ -25,7 +25,6 @@ from typing import Any, AsyncIterator, Callable
 
 import httpx
 import openai
-import pytest
 
 from engines import engine_capabilities
 from engines.base import (
@@ -93,12 +92,6 @@ def prompt_text(model_dir: Path, prompt_token_ids: list[int]) -> str:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).decode(prompt_token_ids, skip_special_tokens=False)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A weightless model directory (`write_tiny_model_dir`), once per session."""
-    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
 @dataclass

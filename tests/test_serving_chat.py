@@ -7,7 +7,6 @@ import json
 
 from fake_engine import (EOS_TOKEN, FakeEngine, Reply, build_fake_app, openai_client, post_scope, prompt_text,
                          serve_fake, sse_events)
-from fake_engine import tiny_model_dir  # noqa: F401 - a fixture
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = ["The", " capital", " is", " Paris", "."]

@@ -5,7 +5,6 @@ logprobs with their text offsets across streamed chunks."""
 import asyncio
 
 from fake_engine import FakeEngine, Reply, openai_client, prompt_text, serve_fake, sse_events
-from fake_engine import tiny_model_dir  # noqa: F401 - a fixture
 
 PROMPT = "The capital of France is"
 OUTPUT = [" Paris", ",", " a", " city", " of", " light"]

@@ -11,7 +11,6 @@ import pytest
 
 from engines.errors import ServingError
 from fake_engine import FakeEngine, Reply, build_fake_app, openai_client, post_scope, serve_fake, sse_events
-from fake_engine import tiny_model_dir  # noqa: F401 - a fixture
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT = {"model": "fake", "messages": QUESTION}
@@ -101,7 +100,7 @@ def test_an_engine_error_mid_stream_is_an_error_event_then_done(tiny_model_dir):
             with pytest.raises(openai.APIError) as info:
                 async for chunk in await openai_client(http).chat.completions.create(
                         model="fake", messages=QUESTION, stream=True):
-                    received.append(chunk)
+                    received.append(chunk)  # noqa: PERF401 - keeps the chunks before the error
         return chat, completion, full, received, info.value
 
     chat, completion, full, received, error = asyncio.run(main())
