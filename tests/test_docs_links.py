@@ -48,3 +48,18 @@ def test_docs_refer_to_nothing_outside_the_repository():
     for doc in DOCS:
         text = doc.read_text()
         assert "DESIGN.md" not in text and "shared/" not in text, doc
+
+
+def test_the_file_map_names_every_module_and_only_files_that_exist():
+    """docs/design.md's file map lists each module of deployments/ and engines/ (a newcomer
+    finds every file there), and every path it names exists."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = text[text.index("## File map"):]
+    named = set(re.findall(r"^\|\s*(.+?)\s*\|", table, re.M))
+    paths = {p.rstrip("/") for cell in named for p in re.findall(r"`([^`]+)`", cell)}
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not missing, f"docs/design.md's file map names files that do not exist: {missing}"
+    modules = {str(p.relative_to(ROOT)) for package in ("deployments", "engines")
+               for p in (ROOT / package).iterdir() if p.suffix in (".py", ".html") and p.name != "__init__.py"}
+    unlisted = sorted(modules - paths)
+    assert not unlisted, f"docs/design.md's file map does not list: {unlisted}"
