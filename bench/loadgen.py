@@ -41,7 +41,8 @@ class HTTPStatusError(RuntimeError):
         self.status = status
 
 
-async def run_level(send: Send, concurrency: int, num_requests: int, timeout_s: float) -> tuple[list[RequestRecord], float]:
+async def run_level(send: Send, concurrency: int, num_requests: int,
+                    timeout_s: float) -> tuple[list[RequestRecord], float]:
     """Run one level; return the records (in the order sent) and the wall time in seconds.
 
     `send` fills in the record it is given (chunks, usage, `end`, or `error`). Requests still

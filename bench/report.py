@@ -28,7 +28,8 @@ def results_table(results: list[TargetResult]) -> str:
             rows.append(f"| {r.name} | {r.status} ({reason}) | | | | | | | | |")
             continue
         for lv in r.levels:
-            tpr = "–" if lv.tokens_per_request is None else f"{lv.tokens_per_request:.0f}" + ("*" if lv.tokens_counted else "")
+            tpr = ("–" if lv.tokens_per_request is None
+                   else f"{lv.tokens_per_request:.0f}" + ("*" if lv.tokens_counted else ""))
             rows.append(f"| {r.name} | {lv.concurrency} | {lv.ok} / {lv.failed} | {lv.tokens_per_s:.1f} | {tpr} | "
                         f"{_ms(lv.ttft_p50)} | {_ms(lv.ttft_p95)} | {_ms(lv.itl_p50)} | {_ms(lv.itl_p95)} | "
                         f"{lv.wall_s:.1f} |")
@@ -73,8 +74,9 @@ def ratio_rows(results: list[TargetResult], levels: list[int]) -> list[tuple[str
                  f"≤ 5 ms at 1 stream: {verdict(o1, o1 is not None and o1 <= 5)}"))
     vs_vllm = tps_ratio("lmserve-vllm", "vllm-serve")
     measured = [v for v in vs_vllm if v is not None]
+    all_met = len(measured) == len(levels) and min(measured) >= 0.9
     rows.append(("tok/s lmserve-vllm / vllm-serve", fmt(vs_vllm),
-                 f"≥ 0.9× at every level: {verdict(measured[0] if measured else None, len(measured) == len(levels) and min(measured) >= 0.9)}"))
+                 f"≥ 0.9× at every level: {verdict(measured[0] if measured else None, all_met)}"))
     return rows
 
 
@@ -86,7 +88,8 @@ def ratios_table(results: list[TargetResult], levels: list[int]) -> str:
 
 
 def markdown(results: list[TargetResult], levels: list[int], header: str, notes: list[str]) -> str:
-    parts = [header, "", results_table(results), "", "lmserve / peer (ratios of output tokens/s; TTFT difference in ms):",
+    parts = [header, "", results_table(results), "",
+             "lmserve / peer (ratios of output tokens/s; TTFT difference in ms):",
              "", ratios_table(results, levels), "", "Targets:", ""]
     for r in results:
         line = f"- `{r.name}`: {r.description}" if r.description else f"- `{r.name}`:"

@@ -39,7 +39,7 @@ DEFAULT_TARGETS = ("lmserve-hf", "inprocess-hf", "lmserve-vllm", "vllm-serve", "
 BACKENDS = {"hf": "huggingface", "vllm": "vllm"}
 
 
-class Unavailable(Exception):
+class UnavailableError(Exception):
     """The target cannot run here; the message is the reason shown in the table."""
 
 
@@ -123,7 +123,7 @@ def backend_python(backend: str, s: Settings) -> Path:
     can build the backend's engine there.
 
     Raises:
-        Unavailable: the environment cannot be built, or lmserve has no such backend yet.
+        UnavailableError: the environment cannot be built, or lmserve has no such backend yet.
     """
     if backend == "huggingface":
         python = Path(sys.executable)
@@ -131,13 +131,13 @@ def backend_python(backend: str, s: Settings) -> Path:
         try:
             python = venvs.ensure_vllm(s.log_dir, s.install, s.install_timeout)
         except venvs.InstallError as exc:
-            raise Unavailable(str(exc)) from None
+            raise UnavailableError(str(exc)) from None
     check = subprocess.run(
         [str(python), "-c", f"from engines import engine_class; engine_class({backend!r})"],
         cwd=venvs.REPO_ROOT, capture_output=True, text=True, timeout=300, env=venvs.clean_env())
     if check.returncode != 0:
         lines = [ln for ln in check.stderr.strip().splitlines() if ln.strip()]
-        raise Unavailable(lines[-1] if lines else f"engine check exited {check.returncode}")
+        raise UnavailableError(lines[-1] if lines else f"engine check exited {check.returncode}")
     return python
 
 
@@ -171,7 +171,7 @@ def vllm_serve_spec(s: Settings, port: int) -> ServerSpec:
     try:
         python = venvs.ensure_vllm(s.log_dir, s.install, s.install_timeout)
     except venvs.InstallError as exc:
-        raise Unavailable(str(exc)) from None
+        raise UnavailableError(str(exc)) from None
     shim = venvs.write_vllm_shim()
     cmd = [str(python.parent / "vllm"), "serve", str(s.model_dir), "--served-model-name", MODEL_ID,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "4096"]
@@ -185,7 +185,7 @@ def llamafactory_spec(s: Settings, port: int) -> ServerSpec:
         python = venvs.ensure_llamafactory(s.log_dir, s.install, s.install_timeout)
         model = venvs.float32_copy(python, s.model_dir, s.log_dir)
     except venvs.InstallError as exc:
-        raise Unavailable(str(exc)) from None
+        raise UnavailableError(str(exc)) from None
     config = s.log_dir / "llamafactory-api.yaml"
     config.write_text(f"model_name_or_path: {model}\ntemplate: smollm2\ninfer_backend: huggingface\n"
                       "infer_dtype: float32\n")
@@ -202,7 +202,7 @@ def server_spec(name: str, s: Settings, port: int) -> ServerSpec:
     `llamafactory`) on 127.0.0.1:`port`.
 
     Raises:
-        Unavailable: its environment cannot be built.
+        UnavailableError: its environment cannot be built.
     """
     if name.startswith("lmserve-"):
         return lmserve_spec(BACKENDS[name.removeprefix("lmserve-")], s, port)
@@ -216,7 +216,7 @@ def run_server_target(name: str, s: Settings) -> TargetResult:
     base_url = f"http://127.0.0.1:{port}"
     try:
         spec = server_spec(name, s, port)
-    except Unavailable as exc:
+    except UnavailableError as exc:
         return TargetResult(name, "not available", str(exc))
     result = TargetResult(name, "ok", description=spec.description, ignore_eos=spec.ignore_eos)
     server = ServerProcess(spec.cmd, spec.env, venvs.REPO_ROOT, s.log_dir / f"{name}.log", marker=spec.marker)
@@ -273,7 +273,7 @@ def run_inprocess_target(name: str, s: Settings) -> TargetResult:
     backend = BACKENDS[name.removeprefix("inprocess-")]
     try:
         python = backend_python(backend, s)
-    except Unavailable as exc:
+    except UnavailableError as exc:
         return TargetResult(name, "not available", str(exc))
     result = TargetResult(name, "ok", description=f"engines.create_engine (infer_backend {backend}), float32, "
                                                   "same prompts rendered by engines/prompt.py; no Ray, no HTTP")

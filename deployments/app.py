@@ -317,7 +317,8 @@ def _build_direct_streaming_app(app_args: AppArgs, configs: dict[str, EngineConf
         try:  # what Ray Serve would have checked, had it answered the overload itself
             backpressure = BackpressureConfig.model_validate(backpressure).model_dump()
         except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, f"model {model_id!r}: deployment.backpressure_config")) from None
+            raise ConfigError(format_validation_error(
+                exc, f"model {model_id!r}: deployment.backpressure_config")) from None
     server = serve.deployment(serve.ingress()(DirectStreamingServer), **opts)
     return server.bind(model_id, config.model_dump(exclude={"extra_inert"}), app_args.ingress_settings(),
                        max_requests=max_requests, backpressure_config=backpressure)

@@ -476,7 +476,8 @@ def _render_k8s(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lmserve", description="Serve LLMs on Ray Serve with an OpenAI-compatible API.")
+    parser = argparse.ArgumentParser(prog="lmserve",
+                                     description="Serve LLMs on Ray Serve with an OpenAI-compatible API.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("api", _api, "serve one model from a LLaMA-Factory inference YAML (OpenAI API)"),
                              ("chat", _chat, "chat in the terminal with an in-process engine")):

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from engines.base import Engine, GenerationDelta, GenerationRequest
 from engines.errors import ServingError
 
-StreamItem = "list[GenerationDelta] | ServingError"
+StreamItem = list[GenerationDelta] | ServingError
 
 
 class ReplicaClient:

@@ -45,7 +45,8 @@ class ModelServer:
     async def __init__(self, model_id: str, engine_config: dict | EngineConfig):
         send_package_logs_to_replica_log()
         self.model_id = model_id
-        self.config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.from_dict(engine_config)
+        self.config = (engine_config if isinstance(engine_config, EngineConfig)
+                       else EngineConfig.from_dict(engine_config))
         self.engine = create_engine(self.config)
         await self.engine.start()
         logger.info("model %r ready on backend %s", model_id, self.config.infer_backend)

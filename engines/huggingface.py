@@ -58,7 +58,8 @@ def pick_dtype(infer_dtype: str, model_dtype: Any, device: str) -> Any:
 
     if infer_dtype != "auto":
         return getattr(torch, infer_dtype)
-    dtype = model_dtype if isinstance(model_dtype, torch.dtype) else getattr(torch, str(model_dtype or "float32"), torch.float32)
+    dtype = (model_dtype if isinstance(model_dtype, torch.dtype)
+             else getattr(torch, str(model_dtype or "float32"), torch.float32))
     if device == "cpu":
         if dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_supports_bfloat16()):
             return torch.float32
@@ -159,7 +160,8 @@ class HuggingFaceEngine(Engine):
         except Exception as exc:
             raise ModelLoadError(f"could not load model from {path!r}: {type(exc).__name__}: {exc}") from exc
         # Qwen2-VL and kin compute 3-D rotary positions for images (`get_rope_index`).
-        self._mrope = self._accepts_images and any(callable(getattr(m, "get_rope_index", None)) for m in model.modules())
+        self._mrope = self._accepts_images and any(callable(getattr(m, "get_rope_index", None))
+                                                   for m in model.modules())
         use_gqa_attention(model)  # no KV cache copies per step on CPU (engines/attention.py)
         model = self._load_adapters(model)
         self._model = model.to(device).eval()

@@ -152,7 +152,7 @@ class ImageLoader:
             data = self._from_data_url(part)
         elif url.startswith(("http://", "https://")):
             data = await self._from_http(part)
-        elif url.startswith("file:") or url.startswith("/"):
+        elif url.startswith(("file:", "/")):
             data = await asyncio.to_thread(self._from_file, part)
         else:
             raise ServingError.invalid_request(f"{part.where}: unsupported image URL {url[:60]!r}; use a data URL "

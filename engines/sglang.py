@@ -271,7 +271,8 @@ class _StreamParser:
             choice.finished = True
             end = len(choice.text)
         else:
-            end = len(choice.text.rstrip("\ufffd")) - self.hold if self.params.stop else len(choice.text.rstrip("\ufffd"))
+            end = (len(choice.text.rstrip("\ufffd")) - self.hold if self.params.stop
+                   else len(choice.text.rstrip("\ufffd")))
         if end <= choice.emitted_chars and finish is None:
             return None
         text = choice.text[choice.emitted_chars:end] if end > choice.emitted_chars else ""
@@ -373,7 +374,8 @@ class SGLangEngine(Engine):
         max_len = context_length(self.config, self.model_path)
         self._vocab_size = model_config_json(self.model_path).get("vocab_size")
         port, api_key = free_port(HOST), secrets.token_urlsafe(24)
-        self._client = httpx.AsyncClient(base_url=f"http://{HOST}:{port}", headers={"Authorization": f"Bearer {api_key}"},
+        self._client = httpx.AsyncClient(base_url=f"http://{HOST}:{port}",
+                                         headers={"Authorization": f"Bearer {api_key}"},
                                          timeout=httpx.Timeout(None, connect=10))
         self.server = ServerProcess(self.launch_command(self.model_path, port, api_key, max_len), self.server_name,
                                     secrets=(api_key,))
@@ -388,7 +390,8 @@ class SGLangEngine(Engine):
                                dtype=str(info.get("dtype") or self.config.infer_dtype),
                                device=str(info.get("device") or "cuda"))
         logger.info("%s server ready after %.1f s (pid %s): %s, context %d tokens, adapters %s", self.server_name,
-                    seconds, self.server.pid, self.model_path, self._info.max_model_len, list(self.config.lora_adapters))
+                    seconds, self.server.pid, self.model_path, self._info.max_model_len,
+                    list(self.config.lora_adapters))
 
     async def _ready(self) -> bool:
         try:

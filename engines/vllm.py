@@ -156,6 +156,12 @@ def structured_outputs_params(constraint: StructuredOutput) -> Any:
     return StructuredOutputsParams(json_object=True)
 
 
+def _adapter_path(path: str) -> str:
+    """A LoRA adapter's resolved local path where one exists, else `path` as given (a Hub id)."""
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
+
+
 def _device() -> str:
     from vllm.platforms import current_platform
 
@@ -238,8 +244,7 @@ class VLLMEngine(Engine):
         self._info = ModelInfo(max_model_len=int(model_config.max_model_len),
                                dtype=str(model_config.dtype).removeprefix("torch."), device=self.device)
         for i, (name, path) in enumerate(self.config.lora_adapters.items(), start=1):
-            local = Path(path).expanduser()
-            request = LoRARequest(name, i, str(local.resolve()) if local.exists() else path)
+            request = LoRARequest(name, i, await asyncio.to_thread(_adapter_path, path))
             try:
                 await self._llm.add_lora(request)  # load now: a bad adapter fails the start
             except Exception as exc:

@@ -45,7 +45,8 @@ def test_every_backend_autoscales_with_an_explicit_target(backend):
 
 def test_policy_capacity_follows_the_deployment():
     cfg = EngineConfig()
-    kwargs = model_deployment_options("m", cfg, {"max_ongoing_requests": 4})["autoscaling_config"]["policy"]["policy_kwargs"]
+    options = model_deployment_options("m", cfg, {"max_ongoing_requests": 4})
+    kwargs = options["autoscaling_config"]["policy"]["policy_kwargs"]
     assert kwargs == {"max_ongoing_requests": 4}
     # direct streaming: Ray Serve's own slots (lmserve refuses beyond its limit before they fill)
     opts, _ = direct_streaming_options("m", cfg, {})
@@ -54,7 +55,8 @@ def test_policy_capacity_follows_the_deployment():
     mine = {"autoscaling_config": {"policy": {"policy_kwargs": {"max_ongoing_requests": 3}}}}
     assert model_deployment_options("m", cfg, mine)["autoscaling_config"]["policy"]["policy_kwargs"] == {
         "max_ongoing_requests": 3}
-    other = {"autoscaling_config": {"policy": {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}}}
+    other = {"autoscaling_config": {"policy": {
+        "policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}}}
     assert "policy_kwargs" not in model_deployment_options("m", cfg, other)["autoscaling_config"]["policy"]
 
 

@@ -21,7 +21,8 @@ def test_alpaca_rows(tmp_path):
     path = tmp_path / "a.json"
     path.write_text(json.dumps(ALPACA))
     examples = read_dataset(str(path))
-    assert examples[0] == {"messages": [{"role": "user", "content": "What is the capital of France?"}], "label": "Paris"}
+    assert examples[0] == {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           "label": "Paris"}
     assert examples[1]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                                        {"role": "assistant", "content": "Hello!"},
                                        {"role": "user", "content": "Translate to French:\ncat"}]

@@ -83,7 +83,8 @@ def test_chunk_token_counts_follow_the_text_so_far_not_the_chunk_alone():
 
 
 def test_summarize_counts_only_finished_requests():
-    ok = [RequestRecord(start=0, end=2, chunks=[Chunk(t=0.5, text="a", num_tokens=1), Chunk(t=1.0, text="b", num_tokens=1)],
+    ok = [RequestRecord(start=0, end=2,
+                        chunks=[Chunk(t=0.5, text="a", num_tokens=1), Chunk(t=1.0, text="b", num_tokens=1)],
                         completion_tokens=10) for _ in range(3)]
     failed = RequestRecord(start=0, error="HTTP 500: boom", chunks=[Chunk(t=0.5, text="a")], completion_tokens=50)
     level = summarize(4, ok + [failed], wall_s=5.0)
@@ -145,6 +146,7 @@ def test_ratios_compare_lmserve_with_each_peer_and_judge_the_targets():
     assert rows["tok/s lmserve-hf / llamafactory"] == (["1.00×", "10.00×"], "≥ 8× at 16 streams: met")
     assert rows["tok/s lmserve-hf / inprocess-hf"] == (["0.80×", "0.95×"], "≥ 0.9× at 1 stream: not met")
     assert rows["TTFT p50 lmserve-hf − inprocess-hf"][0] == ["+3.0 ms", "+3.0 ms"]
-    assert rows["TTFT p50 lmserve-hf − inprocess-hf"][1].endswith("met") and "not" not in rows["TTFT p50 lmserve-hf − inprocess-hf"][1]
+    overhead_target = rows["TTFT p50 lmserve-hf − inprocess-hf"][1]
+    assert overhead_target.endswith("met") and "not" not in overhead_target
     assert rows["tok/s lmserve-vllm / vllm-serve"] == (["–", "–"], "≥ 0.9× at every level: not measured")
     assert "| lmserve-vllm | not available (infer_backend 'vllm' is not available) |" in results_table(results)

@@ -18,8 +18,10 @@ def test_defaults_match_llamafactory():
     assert cfg.use_kv_cache is True and cfg.trust_remote_code is False
     assert (cfg.do_sample, cfg.temperature, cfg.top_p, cfg.top_k) == (True, 0.95, 0.7, 50)
     assert (cfg.max_new_tokens, cfg.repetition_penalty) == (1024, 1.0)
-    assert (cfg.vllm_maxlen, cfg.vllm_gpu_util, cfg.vllm_enforce_eager, cfg.vllm_max_lora_rank) == (4096, 0.7, False, 32)
-    assert (cfg.sglang_maxlen, cfg.sglang_mem_fraction, cfg.sglang_tp_size, cfg.sglang_lora_backend) == (4096, 0.7, -1, "triton")
+    assert (cfg.vllm_maxlen, cfg.vllm_gpu_util, cfg.vllm_enforce_eager,
+            cfg.vllm_max_lora_rank) == (4096, 0.7, False, 32)
+    assert (cfg.sglang_maxlen, cfg.sglang_mem_fraction, cfg.sglang_tp_size,
+            cfg.sglang_lora_backend) == (4096, 0.7, -1, "triton")
     assert cfg.template is None and cfg.adapter_name_or_path is None
 
 

@@ -170,13 +170,13 @@ def test_response_format_on_huggingface(client):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}):
         for stream in (False, True):
-            err = bad_request(lambda: client.chat.completions.create(
+            err = bad_request(lambda fmt=fmt, stream=stream: client.chat.completions.create(
                 model="smollm2", messages=QUESTION, max_tokens=8, response_format=fmt, stream=stream))
             assert err["param"] == "response_format" and err["type"] == "invalid_request_error"
             assert "huggingface" in err["message"] and fmt["type"] in err["message"]
     for fmt in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "city"}}):
-        err = bad_request(lambda: client.chat.completions.create(model="smollm2", messages=QUESTION,
-                                                                 response_format=fmt))
+        err = bad_request(lambda fmt=fmt: client.chat.completions.create(model="smollm2", messages=QUESTION,
+                                                                         response_format=fmt))
         assert err["param"] == "response_format"
 
 

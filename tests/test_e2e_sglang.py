@@ -53,7 +53,8 @@ def test_models_are_listed(sglang_client):
 
 def test_greedy_answers_agree_across_backends(sglang_client):
     texts = {}
-    for model, backend in {"smollm2-hf": "huggingface", "smollm2-sglang": "sglang", "smollm2-kt": "ktransformers"}.items():
+    backends = {"smollm2-hf": "huggingface", "smollm2-sglang": "sglang", "smollm2-kt": "ktransformers"}
+    for model, backend in backends.items():
         answered_by, resp = chat(sglang_client, model, messages=QUESTION, temperature=0, max_tokens=32)
         assert answered_by == backend
         assert resp.model == model and resp.choices[0].finish_reason == "stop"

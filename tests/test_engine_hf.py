@@ -460,7 +460,8 @@ class _Recorder:
         def emit(items):
             self.events[name].extend((self.batcher.steps, item) for item in
                                      ([items] if isinstance(items, BaseException) else items))
-            done = {i for _, (i, _, finish, _, _) in self.events[name] if finish} if not isinstance(items, BaseException) else None
+            done = (None if isinstance(items, BaseException)
+                    else {i for _, (i, _, finish, _, _) in self.events[name] if finish})
             if done is None or len(done) == n:
                 self.finished[name].set()
 

@@ -203,8 +203,8 @@ def test_shutdown_leaves_no_process_in_the_servers_group(model_dir):
         srun(engine.check_health())
 
 
-def test_ktransformers_passes_kt_flags_and_a_stopped_or_killed_server_fails_the_health_check(model_dir, tmp_path, renderer,
-                                                                                  caplog):
+def test_ktransformers_passes_kt_flags_and_a_stopped_or_killed_server_fails_the_health_check(
+        model_dir, tmp_path, renderer, caplog):
     caplog.set_level(logging.INFO, logger=CHILD_LOG)
     engine = start(KTransformersEngine, infer_backend="ktransformers", model_name_or_path=str(model_dir),
                    kt_weight_path=str(tmp_path), kt_method="AMXINT4", kt_cpuinfer=2, kt_threadpool_count=1,

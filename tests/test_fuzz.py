@@ -17,9 +17,10 @@ from conftest import TEST_API_KEY
 pytestmark = pytest.mark.slow
 
 AUTH = {"authorization": f"Bearer {TEST_API_KEY}"}
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False, allow_infinity=False)
-                    | st.text(max_size=20),
-                    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40)
+                    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+                    lambda children: (st.lists(children, max_size=3)
+                                      | st.dictionaries(st.text(max_size=8), children, max_size=3)),
                     max_leaves=8)
 ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard", "", 5])
 CONTENT = st.text(max_size=40) | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "x"]),
@@ -68,8 +69,8 @@ def test_fuzz_completions(serve_url, body):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(raw=st.binary(max_size=200), path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/score/evaluation",
-                                                             "/v1/models/x"]))
+@given(raw=st.binary(max_size=200),
+       path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/score/evaluation", "/v1/models/x"]))
 def test_fuzz_raw_bodies(serve_url, raw, path):
     r = httpx.post(serve_url + path, content=raw, headers={**AUTH, "content-type": "application/json"}, timeout=60)
     assert r.status_code < 500, (r.status_code, r.text[:500])

@@ -48,7 +48,9 @@ class _Routes:
         raise NotImplementedError
 
 
-def _client(api_keys=None, raises: Exception = ServingError.invalid_request("bad", param="messages")):
+def _client(api_keys=None, raises: Exception | None = None):
+    if raises is None:
+        raises = ServingError.invalid_request("bad", param="messages")
     routes = _Routes(api_keys, raises)
     # raise_server_exceptions: an exception the app re-raises after answering fails the call here
     return TestClient(create_app(routes), raise_server_exceptions=True), routes

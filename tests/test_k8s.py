@@ -168,7 +168,8 @@ def _queries() -> list[str]:
     dashboard = json.loads((K8S / "grafana" / "lmserve-dashboard.json").read_text())
     queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
-    queries += [t["metadata"]["query"] for d in _keda_docs() if d["kind"] == "ScaledObject" for t in d["spec"]["triggers"]]
+    queries += [t["metadata"]["query"] for d in _keda_docs() if d["kind"] == "ScaledObject"
+                for t in d["spec"]["triggers"]]
     return queries
 
 
@@ -208,7 +209,8 @@ def test_podmonitor_scrapes_the_pods_metrics_port():
     pm = yaml.safe_load((K8S / "podmonitor.yaml").read_text())
     assert pm["kind"] == "PodMonitor" and pm["apiVersion"] == "monitoring.coreos.com/v1"
     selector = pm["spec"]["selector"]["matchLabels"]
-    templates = _pod_templates(_rayservice()) + [d["spec"]["template"] for d in _keda_docs() if d["kind"] == "Deployment"]
+    templates = _pod_templates(_rayservice()) + [d["spec"]["template"] for d in _keda_docs()
+                                                 if d["kind"] == "Deployment"]
     for template in templates:
         assert selector.items() <= template["metadata"]["labels"].items()
         ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]}

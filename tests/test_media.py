@@ -110,7 +110,8 @@ def test_local_paths_only_inside_the_allowed_directory(tmp_path):
         (image,) = load([url], allowed_local_media_path=str(allowed))
         assert image.convert("RGB").getpixel((0, 0)) == (255, 0, 0)
     for escape in (str(allowed / ".." / "secret.png"), str(allowed / "link.png"), "file:///etc/passwd"):
-        assert "outside the allowed local media path" in load_error(escape, allowed_local_media_path=str(allowed)).message
+        err = load_error(escape, allowed_local_media_path=str(allowed))
+        assert "outside the allowed local media path" in err.message
     assert "cannot read" in load_error(str(allowed / "none.png"), allowed_local_media_path=str(allowed)).message
 
 

@@ -20,7 +20,8 @@ def test_default_system_prompt_of_the_template(renderer):
 
 def test_system_multi_turn_and_developer_role(renderer):
     msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": [{"type": "text", "text": "Again"}]}]
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": [{"type": "text", "text": "Again"}]}]
     text = decode(renderer, renderer.render_chat(msgs))
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                     "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n"
@@ -29,7 +30,8 @@ def test_system_multi_turn_and_developer_role(renderer):
 
 def test_config_default_system_is_used_when_none_given(renderer):
     r = PromptRenderer(renderer.tokenizer, default_system="You are terse.")
-    assert "<|im_start|>system\nYou are terse.<|im_end|>" in decode(r, r.render_chat([{"role": "user", "content": "Hi"}]))
+    text = decode(r, r.render_chat([{"role": "user", "content": "Hi"}]))
+    assert "<|im_start|>system\nYou are terse.<|im_end|>" in text
 
 
 def test_tools_are_passed_to_the_template(renderer):

@@ -86,8 +86,8 @@ def test_oversized_body_is_413(serve_url):
         for _ in range(MAX_BODY_BYTES // 4096 + 2):
             yield b" " * 4096
 
-    r = httpx.post(serve_url + "/v1/chat/completions", content=chunks(), headers={**AUTH, "content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(serve_url + "/v1/chat/completions", content=chunks(),
+                   headers={**AUTH, "content-type": "application/json"}, timeout=60)
     assert r.status_code == 413
 
 
@@ -146,8 +146,9 @@ def test_replica_killed_mid_stream(crash_app):
 
     url, _ = crash_app
     streams = [([], threading.Event()) for _ in range(4)]
-    threads = [threading.Thread(target=read_stream, args=(url + "/v1/chat/completions", {**LONG, "stream": True}, ev, rd),
-                                daemon=True) for ev, rd in streams]
+    threads = [threading.Thread(target=read_stream,
+                                args=(url + "/v1/chat/completions", {**LONG, "stream": True}, ev, rd), daemon=True)
+               for ev, rd in streams]
     for t in threads:
         t.start()
     assert all(rd.wait(120) for _, rd in streams)

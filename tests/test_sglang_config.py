@@ -79,7 +79,8 @@ def test_sglang_config_adds_replaces_and_removes_flags(model_path):
     assert flags["--mem-fraction-static"] == ["0.9"] and flags["--cuda-graph-bs"] == ["1", "2", "4"]
     assert "--enable-metrics" not in flags and "--json-model-override-args" not in flags
     text = EngineConfig(infer_backend="sglang", sglang_config='{"max_running_requests": 8}')
-    assert flags_of(launch_arguments(text, model_path, port=1, api_key="k", max_len=4096))["--max-running-requests"] == ["8"]
+    flags = flags_of(launch_arguments(text, model_path, port=1, api_key="k", max_len=4096))
+    assert flags["--max-running-requests"] == ["8"]
     with pytest.raises(ConfigError, match="sglang_config"):
         launch_arguments(EngineConfig(sglang_config="[1, 2]"), model_path, port=1, api_key="k", max_len=4096)
     with pytest.raises(ConfigError, match="'incremental_streaming_output' cannot be used"):
@@ -150,7 +151,8 @@ def test_replica_options_per_backend(tmp_path):
     cpu = model_deployment_options("m", EngineConfig(infer_backend="sglang"), {"ray_actor_options": {"num_gpus": 0}})
     assert cpu["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0}
     (tmp_path / "experts.kt").write_bytes(b"\0" * 1000)
-    kt = model_deployment_options("m", backend_config("ktransformers", kt_weight_path=str(tmp_path), kt_cpuinfer=24), {})
+    kt = model_deployment_options(
+        "m", backend_config("ktransformers", kt_weight_path=str(tmp_path), kt_cpuinfer=24), {})
     assert kt["ray_actor_options"] == {"num_cpus": 24.0, "num_gpus": 1, "memory": 1100}
     unreadable = model_deployment_options("m", backend_config("ktransformers", kt_weight_path="/nonexistent"), {})
     assert "memory" not in unreadable["ray_actor_options"]

@@ -32,7 +32,8 @@ def engine_with(command, model_path, **fields) -> SGLangEngine:
 
 
 def test_exit_during_start_up_quotes_the_last_lines(model_path):
-    script = "import sys; print('loading weights'); print('RuntimeError: No CUDA GPUs are available', file=sys.stderr); sys.exit(3)"
+    script = ("import sys; print('loading weights'); "
+              "print('RuntimeError: No CUDA GPUs are available', file=sys.stderr); sys.exit(3)")
     engine = engine_with([sys.executable, "-c", script], model_path)
     with pytest.raises(ModelLoadError) as info:
         asyncio.run(engine.start())

@@ -37,7 +37,8 @@ def finished_bubble(page, index: int, timeout_ms: int = 120_000):
     """The `index`-th answer bubble (0-based) once its request has ended; the page marks it
     `data-done` and turns it into `.msg.error` if the request failed. Returns (class, text)."""
     page.wait_for_function(
-        "i => { const b = document.querySelectorAll('.msg[data-done]'); return b.length > i && b[i].dataset.done == 'true'; }",
+        "i => { const b = document.querySelectorAll('.msg[data-done]'); "
+        "return b.length > i && b[i].dataset.done == 'true'; }",
         arg=index, timeout=timeout_ms)
     bubble = page.locator(".msg[data-done]").nth(index)
     return bubble.get_attribute("class"), bubble.text_content()

@@ -119,7 +119,8 @@ async def main(opts: argparse.Namespace) -> None:
 
     variants = dict(opts.variant) if opts.variant else {
         "lmserve": {}, "lmserve-two-hop": {"LMSERVE_DIRECT_STREAMING": "0"}}
-    servers = {name: _server(f"v{i}", env, log_dir, opts.torch_threads) for i, (name, env) in enumerate(variants.items())}
+    servers = {name: _server(f"v{i}", env, log_dir, opts.torch_threads)
+               for i, (name, env) in enumerate(variants.items())}
     import torch
 
     torch.set_num_threads(opts.torch_threads)

@@ -84,7 +84,8 @@ def main() -> int:
     print("| metric | value |\n|---|---|")
     print(f"| `serve run` -> first answer | {first_answer_s:.1f} s |")
     print(f"| single stream TTFT p50 | {statistics.median(ttfts) * 1000:.0f} ms |")
-    print(f"| single stream output tokens/s (median of {args.requests}, {args.max_tokens} tokens) | {statistics.median(rates):.1f} |")
+    print(f"| single stream output tokens/s (median of {args.requests}, {args.max_tokens} tokens) | "
+          f"{statistics.median(rates):.1f} |")
     return 0
 
 

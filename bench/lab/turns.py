@@ -6,8 +6,9 @@
 how this shared machine drifted between their runs (10-30 % on 2 cores). Here every target is
 started once and kept up; each level then runs on one target at a time while every process of
 the others is stopped with SIGSTOP (an idle Ray cluster or vLLM engine beside a target takes
-CPU from it on 2 cores), target after target, the order reversed every other round. So a level's runs on two targets are minutes apart,
-not half an hour, and neither has the other beside it. After each thaw a target must answer a
+CPU from it on 2 cores), target after target, the order reversed every other round. So a
+level's runs on two targets are minutes apart, not half an hour, and neither has the other
+beside it. After each thaw a target must answer a
 short request before its level starts.
 
 It prints, per level, each target's aggregate output tok/s (median over rounds), TTFT and ITL
@@ -36,7 +37,7 @@ from bench import venvs
 from bench.loadgen import add_client_argument, http_level
 from bench.metrics import LevelResult, count_tokens, summarize
 from bench.servers import ServerProcess, StartError
-from bench.targets import MODEL_ID, Settings, Unavailable, server_spec
+from bench.targets import MODEL_ID, Settings, UnavailableError, server_spec
 from engines.server_process import free_port
 
 HTTP_TARGETS = ("lmserve-hf", "lmserve-vllm", "vllm-serve", "llamafactory")
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = server_spec(name, settings, port)
             server = ServerProcess(spec.cmd, spec.env, venvs.REPO_ROOT, args.log_dir / f"{name}.log",
                                    marker=spec.marker)
-            for other, (up, _) in servers.items():
+            for up, _ in servers.values():
                 signal_tree(up.proc.pid, signal.SIGSTOP)
             server.start()
             servers[name] = (server, f"http://127.0.0.1:{port}")
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps({name: {str(c): [dataclasses.asdict(r) for r in results]
                                                    for c, results in per.items()} for name, per in runs.items()},
                                            indent=1))
-    except (StartError, Unavailable) as exc:
+    except (StartError, UnavailableError) as exc:
         print(f"turns: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -86,7 +86,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--max-loras-per-batch must be at least 1")
     if args.kt_weight_path is not None and (args.kt_num_gpu_experts is None or args.kt_method is None):
         p.error("--kt-weight-path needs --kt-method and --kt-num-gpu-experts")
-    if args.kt_weight_path is None and any(v is not None for v in (args.kt_method, args.kt_cpuinfer, args.kt_num_gpu_experts)):
+    kt_flags = (args.kt_method, args.kt_cpuinfer, args.kt_num_gpu_experts)
+    if args.kt_weight_path is None and any(v is not None for v in kt_flags):
         p.error("--kt-* flags need --kt-weight-path")
     return args
 
@@ -150,8 +151,8 @@ class AbortReqIn(BaseModel):
 
 def build_app(args: argparse.Namespace) -> FastAPI:
     adapters = lora_paths(args.lora_paths)
-    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=args.model_path,
-                                            infer_dtype={"half": "float16", "float": "float32"}.get(args.dtype, args.dtype),
+    dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=args.model_path, infer_dtype=dtype,
                                             trust_remote_code=args.trust_remote_code,
                                             adapter_name_or_path=list(adapters.values()) or None))
     adapter_names = dict(zip(adapters, engine.config.lora_adapters))  # SGLang name -> engine name
