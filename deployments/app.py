@@ -130,7 +130,7 @@ def sglang_replica_options(config: EngineConfig) -> dict:
     """Device resources of an sglang model's replica: the GPUs its SGLang server child uses,
     `sglang_tp_size` of them (1 for -1 = "all visible": the replica sees the GPUs it reserves,
     so ask for more with `deployment.ray_actor_options.num_gpus`)."""
-    gpus = config.sglang_tp_size if config.sglang_tp_size > 0 else 1
+    gpus = config.sglang.tp_size if config.sglang.tp_size > 0 else 1
     return {"ray_actor_options": {"num_cpus": constants.SGLANG_REPLICA_NUM_CPUS, "num_gpus": gpus}}
 
 
@@ -150,8 +150,8 @@ def kt_replica_options(config: EngineConfig) -> dict:
     """Resources of a ktransformers replica: one GPU (attention and `kt_num_gpu_experts` experts
     per layer), `kt_cpuinfer` CPUs (the expert threads) and, where the builder can read
     `kt_weight_path`, `KT_MEMORY_FACTOR` x its size in bytes of memory for the CPU experts."""
-    actor: dict[str, Any] = {"num_cpus": float(config.kt_cpuinfer or 1), "num_gpus": 1}
-    size = directory_bytes(config.kt_weight_path) if config.kt_weight_path else None
+    actor: dict[str, Any] = {"num_cpus": float(config.kt.cpuinfer or 1), "num_gpus": 1}
+    size = directory_bytes(config.kt.weight_path) if config.kt.weight_path else None
     if size:
         actor["memory"] = int(size * constants.KT_MEMORY_FACTOR)
     return {"ray_actor_options": actor}

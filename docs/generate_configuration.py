@@ -19,8 +19,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "docs" / "configuration.md"
 
-# EngineConfig fields by the part of lmserve they configure (field name -> section); the rest
-# are the model and its prompt.
+# EngineConfig fields, by the flat names users write, by the part of lmserve they configure
+# (field name -> section); the rest are the model and its prompt.
 _SECTIONS = [
     ("Model and prompt", lambda name: True),
     ("Generation defaults", lambda name: name in ("do_sample", "temperature", "top_p", "top_k", "max_new_tokens",
@@ -106,10 +106,10 @@ def render() -> str:
     from deployments.app import AppArgs, ModelEntry
     from deployments.constants import AUTOSCALING_DEFAULTS, INGRESS_DEPLOYMENT_DEFAULTS
     from deployments.settings import Settings
-    from engines.config import _INERT_FIELDS, EngineConfig
+    from engines.config import _INERT_FIELDS, flat_fields
     from engines.media import MediaSettings
 
-    engine_fields = {name: f for name, f in EngineConfig.model_fields.items() if name != "extra_inert"}
+    engine_fields = {name: f for name, f in flat_fields().items() if name != "extra_inert"}
     out = [
         "# Configuration",
         "",
@@ -154,6 +154,9 @@ def render() -> str:
         "below. A LLaMA-Factory inference YAML is a valid model entry as it is: the field names and defaults",
         "are LLaMA-Factory's (its `ModelArguments`, `DataArguments.template`, `GeneratingArguments`), plus",
         "fields of lmserve's own where LLaMA-Factory has none. Unknown fields are refused, naming them.",
+        "lmserve groups the backend fields by backend (`vllm_maxlen` is `EngineConfig.vllm.maxlen`); the",
+        "nested form that `EngineConfig.model_dump()` writes (`vllm: {maxlen: 8192}`) is accepted too, and",
+        "errors name the flat field.",
         "",
         *_fields_table(ModelEntry.model_fields),
         "",

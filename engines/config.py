@@ -5,15 +5,21 @@ Field names and defaults mirror LLaMA-Factory 0.9.5 (`src/llamafactory/hparams/m
 CONFIG.yaml`) is a valid model entry as it is. Fields that LLaMA-Factory accepts but that have no
 effect when serving (training and export switches) are accepted too; setting one to a
 non-default value logs a warning instead of being silently dropped. Unknown fields are rejected.
+
+The input is LLaMA-Factory's flat YAML; the backend-specific fields are grouped by the backend
+that reads them (`hf_max_num_seqs` -> `config.hf.max_num_seqs`, `vllm_maxlen` ->
+`config.vllm.maxlen`, `sglang_*` -> `config.sglang`, `kt_*` -> `config.kt`). Errors name the
+flat field, as the user wrote it.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +102,124 @@ _KT_TRAINING_FIELDS: dict[str, str] = {
 KT_REQUIRED_FIELDS = ("kt_weight_path", "kt_method", "kt_cpuinfer", "kt_num_gpu_experts")
 
 
+class BackendArgs(BaseModel):
+    """Base of the per-backend field groups of `EngineConfig`.
+
+    A group's field `name` is written `<prefix><name>` in LLaMA-Factory's flat YAML (`prefix`:
+    `hf_`, `vllm_`, `sglang_`, `kt_`); `EngineConfig` moves the flat fields into the group.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    prefix: ClassVar[str]
+
+
+class HuggingfaceArgs(BackendArgs):
+    """The huggingface backend's continuous batching (lmserve's own; LLaMA-Factory serves one
+    request at a time): `hf_*` fields."""
+
+    prefix: ClassVar[str] = "hf_"
+
+    max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together per replica.")
+    max_batch_tokens: int = Field(
+        65536, ge=1, description="Most tokens (prompt + max new tokens, per sequence) reserved by the "
+        "running batch; bounds KV cache memory. Requests beyond either limit wait in the replica.")
+    chunked_prefill_size: int = Field(
+        512, ge=-1, description="Most prompt tokens (prompts x padded length) one prefill forward pass takes; "
+        "a longer prefill runs in chunks, and the running sequences decode a token between chunks, so a long "
+        "prompt does not stall them (SGLang's --chunked-prefill-size). -1 never splits a prefill.")
+    batch_wait_timeout_ms: float = Field(
+        50, ge=0, description="When the batch is empty, the longest a first request waits for others to join "
+        "its prefill (ms); 0 admits at once.")
+    batch_wait_gap_ms: float = Field(
+        5, ge=0, description="The wait ends sooner once no request has arrived for this long (ms). The window is "
+        "armed only while requests come in bursts (another within the timeout of one that found the replica "
+        "idle) and disarmed after 3 lone ones, so lone requests do not wait.")
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _chunk_size(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be at least 1, or -1 to never split a prefill")
+        return value
+
+
+class VllmArgs(BackendArgs):
+    """The vllm backend (LLaMA-Factory VllmArguments): `vllm_*` fields."""
+
+    prefix: ClassVar[str] = "vllm_"
+
+    maxlen: int = Field(4096, gt=0, description="vLLM `max_model_len` (tokens: prompt + output), cut to "
+                        "the model's own context length with a warning.")
+    gpu_util: float = Field(0.7, gt=0, le=1, description="vLLM `gpu_memory_utilization`; on CPU the "
+                            "fraction of RAM to reserve unless `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the KV cache.")
+    enforce_eager: bool = Field(False, description="vLLM `enforce_eager`: no torch.compile, no CUDA graphs; "
+                                "starts sooner, decodes slower.")
+    max_lora_rank: int = Field(32, gt=0, description="vLLM `max_lora_rank`: the largest LoRA rank served.")
+    config: dict[str, Any] | str | None = Field(
+        None, description="Any other vLLM engine arguments (a mapping, or JSON text), merged last so they win.")
+
+
+class SglangArgs(BackendArgs):
+    """The sglang backend (LLaMA-Factory SGLangArguments, plus how lmserve starts and supervises
+    the SGLang server child process); ktransformers runs on it too: `sglang_*` fields."""
+
+    prefix: ClassVar[str] = "sglang_"
+
+    maxlen: int = Field(4096, gt=0, description="SGLang `--context-length` (tokens), cut to the model's "
+                        "own context length with a warning.")
+    mem_fraction: float = Field(0.7, gt=0, le=1, description="SGLang `--mem-fraction-static`: the "
+                                "fraction of GPU memory for weights and KV cache.")
+    tp_size: int = Field(-1, description="SGLang `--tp-size`; -1 = every GPU visible to the replica.")
+    config: dict[str, Any] | str | None = Field(
+        None, description="Any other SGLang server arguments (a mapping, or JSON text), added as flags last.")
+    lora_backend: Literal["triton", "flashinfer"] = Field(
+        "triton", description="SGLang `--lora-backend` for LoRA adapters.")
+    # lmserve: how the SGLang server child process is started and supervised.
+    launch_command: list[str] | None = Field(
+        None, description="Command that starts the server, before the flags lmserve derives from this "
+        "config; None = [<this python>, -m, sglang.launch_server]. Tests put the stand-in server here.")
+    start_timeout_s: float = Field(
+        900, gt=0, description="Seconds to wait for the server's /health to answer 200 after launch "
+        "(loading weights and capturing CUDA graphs of large models takes minutes).")
+    health_timeout_s: float = Field(
+        20, gt=0, description="Seconds a /health probe of a running server may take before the replica "
+        "counts as unhealthy (SGLang's own SGLANG_HEALTH_CHECK_TIMEOUT is 20).")
+
+
+class KTransformersArgs(BackendArgs):
+    """The ktransformers backend (LLaMA-Factory KTransformersArguments + kt-kernel launch flags):
+    `kt_*` fields."""
+
+    prefix: ClassVar[str] = "kt_"
+
+    weight_path: str | None = Field(None, description="CPU expert weights (kt-kernel format) -> --kt-weight-path")
+    method: str | None = Field(None, description="kt-kernel method, e.g. AMXINT4, AMXINT8, LLAMAFILE -> --kt-method")
+    cpuinfer: int | None = Field(None, gt=0, description="CPU threads for the experts -> --kt-cpuinfer; "
+                                 "also the CPUs the replica reserves")
+    threadpool_count: int | None = Field(None, gt=0, description="NUMA thread pools -> --kt-threadpool-count")
+    num_gpu_experts: int | None = Field(None, ge=0, description="experts per MoE layer kept on the GPU "
+                                        "-> --kt-num-gpu-experts")
+    expert_checkpoint_path: str | None = Field(None, description="LLaMA-Factory training option; refused when set.")
+    use_lora_experts: bool | None = Field(None, description="LLaMA-Factory training option; refused when set.")
+    lora_expert_num: int | None = Field(None, description="LLaMA-Factory training option; refused when set.")
+    lora_expert_intermediate_size: int | None = Field(
+        None, description="LLaMA-Factory training option; refused when set.")
+
+    @field_validator(*(name.removeprefix("kt_") for name in _KT_TRAINING_FIELDS))
+    @classmethod
+    def _training_only(cls, value: Any, info: Any) -> Any:
+        if value not in (None, False):
+            raise ValueError(f"a LLaMA-Factory training option that lmserve cannot serve: it "
+                             f"{_KT_TRAINING_FIELDS[cls.prefix + info.field_name]}")
+        return value
+
+
+# EngineConfig field -> its group of backend fields.
+BACKEND_GROUPS: dict[str, type[BackendArgs]] = {
+    "hf": HuggingfaceArgs, "vllm": VllmArgs, "sglang": SglangArgs, "kt": KTransformersArgs}
+
+
 class EngineConfig(BaseModel):
     """How one model is loaded and sampled, whatever the backend.
 
@@ -143,21 +267,7 @@ class EngineConfig(BaseModel):
                                     "turns as the chat template does.")
 
     # lmserve: continuous batching on the huggingface backend (LLaMA-Factory serves one at a time).
-    hf_max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together per replica.")
-    hf_max_batch_tokens: int = Field(
-        65536, ge=1, description="Most tokens (prompt + max new tokens, per sequence) reserved by the "
-        "running batch; bounds KV cache memory. Requests beyond either limit wait in the replica.")
-    hf_chunked_prefill_size: int = Field(
-        512, ge=-1, description="Most prompt tokens (prompts x padded length) one prefill forward pass takes; "
-        "a longer prefill runs in chunks, and the running sequences decode a token between chunks, so a long "
-        "prompt does not stall them (SGLang's --chunked-prefill-size). -1 never splits a prefill.")
-    hf_batch_wait_timeout_ms: float = Field(
-        50, ge=0, description="When the batch is empty, the longest a first request waits for others to join "
-        "its prefill (ms); 0 admits at once.")
-    hf_batch_wait_gap_ms: float = Field(
-        5, ge=0, description="The wait ends sooner once no request has arrived for this long (ms). The window is "
-        "armed only while requests come in bursts (another within the timeout of one that found the replica "
-        "idle) and disarmed after 3 lone ones, so lone requests do not wait.")
+    hf: HuggingfaceArgs = Field(default_factory=HuggingfaceArgs, description="huggingface backend: `hf_*`.")
 
     # --- images (LLaMA-Factory ProcessorArguments), vision-language models only ---
     image_max_pixels: int = Field(768 * 768, gt=0, description="Larger images are scaled down to this many "
@@ -165,56 +275,21 @@ class EngineConfig(BaseModel):
     image_min_pixels: int = Field(32 * 32, gt=0, description="Smaller images are scaled up to this many pixels.")
 
     # --- vLLM (LLaMA-Factory VllmArguments) ---
-    vllm_maxlen: int = Field(4096, gt=0, description="vLLM `max_model_len` (tokens: prompt + output), cut to "
-                             "the model's own context length with a warning.")
-    vllm_gpu_util: float = Field(0.7, gt=0, le=1, description="vLLM `gpu_memory_utilization`; on CPU the "
-                                 "fraction of RAM to reserve unless `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the KV cache.")
-    vllm_enforce_eager: bool = Field(False, description="vLLM `enforce_eager`: no torch.compile, no CUDA graphs; "
-                                     "starts sooner, decodes slower.")
-    vllm_max_lora_rank: int = Field(32, gt=0, description="vLLM `max_lora_rank`: the largest LoRA rank served.")
-    vllm_config: dict[str, Any] | str | None = Field(
-        None, description="Any other vLLM engine arguments (a mapping, or JSON text), merged last so they win.")
+    vllm: VllmArgs = Field(default_factory=VllmArgs, description="vllm backend: `vllm_*`.")
     # lmserve: parallelism for vLLM (LLaMA-Factory only exposes it through vllm_config).
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel ranks (one GPU each; more than "
                                       "one runs vLLM's Ray executor in the replica's placement group).")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallel stages (one GPU per rank).")
 
     # --- SGLang (LLaMA-Factory SGLangArguments) ---
-    sglang_maxlen: int = Field(4096, gt=0, description="SGLang `--context-length` (tokens), cut to the model's "
-                               "own context length with a warning.")
-    sglang_mem_fraction: float = Field(0.7, gt=0, le=1, description="SGLang `--mem-fraction-static`: the "
-                                       "fraction of GPU memory for weights and KV cache.")
-    sglang_tp_size: int = Field(-1, description="SGLang `--tp-size`; -1 = every GPU visible to the replica.")
-    sglang_config: dict[str, Any] | str | None = Field(
-        None, description="Any other SGLang server arguments (a mapping, or JSON text), added as flags last.")
-    sglang_lora_backend: Literal["triton", "flashinfer"] = Field(
-        "triton", description="SGLang `--lora-backend` for LoRA adapters.")
-    # lmserve: how the SGLang server child process is started and supervised.
-    sglang_launch_command: list[str] | None = Field(
-        None, description="Command that starts the server, before the flags lmserve derives from this "
-        "config; None = [<this python>, -m, sglang.launch_server]. Tests put the stand-in server here.")
-    sglang_start_timeout_s: float = Field(
-        900, gt=0, description="Seconds to wait for the server's /health to answer 200 after launch "
-        "(loading weights and capturing CUDA graphs of large models takes minutes).")
-    sglang_health_timeout_s: float = Field(
-        20, gt=0, description="Seconds a /health probe of a running server may take before the replica "
-        "counts as unhealthy (SGLang's own SGLANG_HEALTH_CHECK_TIMEOUT is 20).")
+    sglang: SglangArgs = Field(default_factory=SglangArgs, description="sglang (and ktransformers) backend: "
+                               "`sglang_*`.")
 
     # --- KTransformers (LLaMA-Factory KTransformersArguments + kt-kernel launch flags) ---
     use_kt: bool = Field(False, description="LLaMA-Factory's KTransformers switch; with lmserve it "
                          "needs infer_backend: ktransformers.")
-    kt_weight_path: str | None = Field(None, description="CPU expert weights (kt-kernel format) -> --kt-weight-path")
-    kt_method: str | None = Field(None, description="kt-kernel method, e.g. AMXINT4, AMXINT8, LLAMAFILE -> --kt-method")
-    kt_cpuinfer: int | None = Field(None, gt=0, description="CPU threads for the experts -> --kt-cpuinfer; "
-                                    "also the CPUs the replica reserves")
-    kt_threadpool_count: int | None = Field(None, gt=0, description="NUMA thread pools -> --kt-threadpool-count")
-    kt_num_gpu_experts: int | None = Field(None, ge=0, description="experts per MoE layer kept on the GPU "
-                                           "-> --kt-num-gpu-experts")
-    kt_expert_checkpoint_path: str | None = Field(None, description="LLaMA-Factory training option; refused when set.")
-    kt_use_lora_experts: bool | None = Field(None, description="LLaMA-Factory training option; refused when set.")
-    kt_lora_expert_num: int | None = Field(None, description="LLaMA-Factory training option; refused when set.")
-    kt_lora_expert_intermediate_size: int | None = Field(
-        None, description="LLaMA-Factory training option; refused when set.")
+    kt: KTransformersArgs = Field(default_factory=KTransformersArgs, description="ktransformers backend: "
+                                  "`kt_*`.")
 
     # --- reward models (LLaMA-Factory FinetuningArguments.stage) ---
     stage: Literal["pt", "sft", "rm", "ppo", "dpo", "kto"] = Field(
@@ -238,10 +313,20 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _split_inert(cls, data: Any) -> Any:
+    def _from_flat(cls, data: Any) -> Any:
+        # Flat backend fields go into their group (`vllm_maxlen` -> vllm.maxlen); a group given
+        # nested (what `model_dump()` writes, and replicas rebuild from) is kept, and a flat field
+        # wins over the same field in it. Unknown `vllm_*` names stay flat and are refused there.
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        for group, args in BACKEND_GROUPS.items():
+            flat = {name: data.pop(args.prefix + name) for name in args.model_fields if args.prefix + name in data}
+            nested = data.get(group)
+            if isinstance(nested, BackendArgs):
+                nested = nested.model_dump(exclude_unset=True)
+            if flat and (nested is None or isinstance(nested, dict)):  # else the group is refused as it is
+                data[group] = {**(nested or {}), **flat}
         inert = dict(data.pop("extra_inert", {}) or {})
         for name in list(data):
             if name in _INERT_FIELDS:
@@ -256,20 +341,13 @@ class EngineConfig(BaseModel):
                 logger.warning("config field %r=%r has no effect in lmserve", name, value)
         return self
 
-    @field_validator(*_KT_TRAINING_FIELDS)
-    @classmethod
-    def _kt_training_only(cls, value: Any, info: Any) -> Any:
-        if value not in (None, False):
-            raise ValueError(f"a LLaMA-Factory training option that lmserve cannot serve: it "
-                             f"{_KT_TRAINING_FIELDS[info.field_name]}")
-        return value
-
     @model_validator(mode="after")
     def _check_kt(self) -> "EngineConfig":
         if self.use_kt and self.infer_backend != "ktransformers":
             raise ValueError(f"use_kt: true needs infer_backend: ktransformers (got {self.infer_backend!r})")
         if self.infer_backend == "ktransformers":
-            missing = [name for name in KT_REQUIRED_FIELDS if getattr(self, name) is None]
+            missing = [name for name in KT_REQUIRED_FIELDS
+                       if getattr(self.kt, name.removeprefix(KTransformersArgs.prefix)) is None]
             if missing:
                 raise ValueError(f"infer_backend 'ktransformers' needs {', '.join(KT_REQUIRED_FIELDS)}; "
                                  f"missing: {', '.join(missing)}")
@@ -277,13 +355,6 @@ class EngineConfig(BaseModel):
                 raise ValueError("adapter_name_or_path: LoRA adapters are not served by the ktransformers "
                                  "backend (not verified with kt-kernel); use infer_backend: sglang")
         return self
-
-    @field_validator("hf_chunked_prefill_size")
-    @classmethod
-    def _chunk_size(cls, value: int) -> int:
-        if value == 0:
-            raise ValueError("must be at least 1, or -1 to never split a prefill")
-        return value
 
     @field_validator("model_name_or_path")
     @classmethod
@@ -400,12 +471,34 @@ def load_config_file(path: str, overrides: list[str] | None = None) -> EngineCon
     return EngineConfig.from_dict(data, source=path)
 
 
+def flat_fields() -> dict[str, FieldInfo]:
+    """`EngineConfig`'s fields as a LLaMA-Factory YAML writes them: flat name (`vllm_maxlen`) ->
+    pydantic field, in declaration order, each backend group's fields in its place."""
+    out: dict[str, FieldInfo] = {}
+    for name, field in EngineConfig.model_fields.items():
+        args = BACKEND_GROUPS.get(name)
+        if args is None:
+            out[name] = field
+        else:
+            out.update({args.prefix + sub: sub_field for sub, sub_field in args.model_fields.items()})
+    return out
+
+
+def _flat_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """An `EngineConfig` error location as the user wrote it: ("vllm", "maxlen") -> ("vllm_maxlen",)."""
+    if len(loc) >= 2 and loc[0] in BACKEND_GROUPS and isinstance(loc[1], str):
+        return (BACKEND_GROUPS[loc[0]].prefix + loc[1], *loc[2:])
+    return loc
+
+
 def format_validation_error(exc: ValidationError, source: str | None = None, what: str = "engine config") -> str:
     """One line: `source: invalid <what>: ` and one part per pydantic error, each naming its field
-    (a path such as `models[0].deployment.num_replicas`)."""
+    (a path such as `models[0].deployment.num_replicas`; `EngineConfig`'s backend fields by their
+    flat LLaMA-Factory names, `vllm_maxlen` rather than `vllm.maxlen`)."""
     lines = []
     for err in exc.errors():
-        field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in err["loc"]).lstrip(".")
+        loc = _flat_loc(err["loc"]) if exc.title == EngineConfig.__name__ else err["loc"]
+        field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
         if not field:  # a check across fields: its message names them
             lines.append(err["msg"].removeprefix("Value error, "))
         elif err["type"] == "extra_forbidden":

@@ -132,12 +132,12 @@ class HuggingFaceEngine(Engine):
             self._info = self._reward.info
             return
         await asyncio.to_thread(self._load)
-        self._batcher = ContinuousBatcher(self._model, max_num_seqs=self.config.hf_max_num_seqs,
-                                          max_batch_tokens=self.config.hf_max_batch_tokens,
+        self._batcher = ContinuousBatcher(self._model, max_num_seqs=self.config.hf.max_num_seqs,
+                                          max_batch_tokens=self.config.hf.max_batch_tokens,
                                           use_kv_cache=self.config.use_kv_cache,
-                                          batch_wait_timeout_s=self.config.hf_batch_wait_timeout_ms / 1e3,
-                                          batch_wait_gap_s=self.config.hf_batch_wait_gap_ms / 1e3,
-                                          chunked_prefill_size=self.config.hf_chunked_prefill_size)
+                                          batch_wait_timeout_s=self.config.hf.batch_wait_timeout_ms / 1e3,
+                                          batch_wait_gap_s=self.config.hf.batch_wait_gap_ms / 1e3,
+                                          chunked_prefill_size=self.config.hf.chunked_prefill_size)
         self._batcher.start()
 
     def _load(self) -> None:

@@ -24,11 +24,11 @@ from engines.sglang import SGLangEngine, launch_arguments
 def kt_flags(config: EngineConfig) -> dict[str, list[str]]:
     """The `--kt-*` flags for `config`, flag -> values (unset fields are left to SGLang's defaults)."""
     fields = {
-        "--kt-weight-path": config.kt_weight_path,
-        "--kt-method": config.kt_method,
-        "--kt-cpuinfer": config.kt_cpuinfer,
-        "--kt-threadpool-count": config.kt_threadpool_count,
-        "--kt-num-gpu-experts": config.kt_num_gpu_experts,
+        "--kt-weight-path": config.kt.weight_path,
+        "--kt-method": config.kt.method,
+        "--kt-cpuinfer": config.kt.cpuinfer,
+        "--kt-threadpool-count": config.kt.threadpool_count,
+        "--kt-num-gpu-experts": config.kt.num_gpu_experts,
     }
     return {flag: [str(value)] for flag, value in fields.items() if value is not None}
 

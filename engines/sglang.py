@@ -81,11 +81,11 @@ def context_length(config: EngineConfig, model_path: Path) -> int:
     """`sglang_maxlen` (tokens), cut to the model's own context length with a warning: SGLang
     refuses a longer `--context-length` unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set."""
     declared = model_max_len(model_path)
-    if declared is not None and config.sglang_maxlen > declared:
+    if declared is not None and config.sglang.maxlen > declared:
         logger.warning("sglang_maxlen=%d exceeds the model's context length %d; using %d",
-                       config.sglang_maxlen, declared, declared)
+                       config.sglang.maxlen, declared, declared)
         return declared
-    return config.sglang_maxlen
+    return config.sglang.maxlen
 
 
 def _flag(name: str) -> str:
@@ -114,13 +114,13 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
         ConfigError: `sglang_config` that is not a mapping, or that sets a flag changing the
             stream lmserve parses (`incremental_streaming_output`, `skip_tokenizer_init`).
     """
-    tp = config.sglang_tp_size if config.sglang_tp_size > 0 else (tp_size or visible_gpu_count())
+    tp = config.sglang.tp_size if config.sglang.tp_size > 0 else (tp_size or visible_gpu_count())
     flags: dict[str, list[str]] = {
         "--model-path": [str(model_path)],
         "--host": [HOST],
         "--port": [str(port)],
         "--context-length": [str(max_len)],
-        "--mem-fraction-static": [str(config.sglang_mem_fraction)],
+        "--mem-fraction-static": [str(config.sglang.mem_fraction)],
         "--tp-size": [str(tp)],
         "--api-key": [api_key],
         "--enable-metrics": [],
@@ -132,10 +132,10 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
     adapters = config.lora_adapters
     if adapters:
         flags["--lora-paths"] = [f"{name}={path}" for name, path in adapters.items()]
-        flags["--lora-backend"] = [config.sglang_lora_backend]
+        flags["--lora-backend"] = [config.sglang.lora_backend]
         flags["--max-loras-per-batch"] = [str(len(adapters))]
     flags.update(backend_flags or {})
-    for name, value in parse_mapping(config.sglang_config, "sglang_config").items():
+    for name, value in parse_mapping(config.sglang.config, "sglang_config").items():
         key = _flag(name)
         if key in _REFUSED_FLAGS and value not in (None, False):
             raise ConfigError(f"sglang_config: {name!r} cannot be used: {_REFUSED_FLAGS[key]}")
@@ -351,7 +351,7 @@ class SGLangEngine(Engine):
     @classmethod
     def check_config(cls, config: EngineConfig) -> None:
         """Raises ConfigError for an `sglang_config` that cannot be turned into launch flags."""
-        cls(config).launch_arguments(Path(config.model_name_or_path), 0, "", config.sglang_maxlen)
+        cls(config).launch_arguments(Path(config.model_name_or_path), 0, "", config.sglang.maxlen)
 
     def launch_arguments(self, model_path: Path, port: int, api_key: str, max_len: int) -> list[str]:
         """Flags for this backend's server (the `ktransformers` backend adds its own)."""
@@ -359,7 +359,7 @@ class SGLangEngine(Engine):
 
     def launch_command(self, model_path: Path, port: int, api_key: str, max_len: int) -> list[str]:
         """`sglang_launch_command` (default `python -m sglang.launch_server`) + the flags."""
-        prefix = list(self.config.sglang_launch_command or DEFAULT_LAUNCH_COMMAND)
+        prefix = list(self.config.sglang.launch_command or DEFAULT_LAUNCH_COMMAND)
         return prefix + self.launch_arguments(model_path, port, api_key, max_len)
 
     async def start(self) -> None:
@@ -381,7 +381,7 @@ class SGLangEngine(Engine):
                                     secrets=(api_key,))
         try:
             await self.server.start()
-            seconds = await self.server.wait_ready(self._ready, self.config.sglang_start_timeout_s)
+            seconds = await self.server.wait_ready(self._ready, self.config.sglang.start_timeout_s)
             info = await self._server_info()
         except BaseException:
             await self.shutdown()
@@ -432,7 +432,7 @@ class SGLangEngine(Engine):
         answer 200 within `sglang_health_timeout_s` seconds."""
         client = self._require_client()
         try:
-            response = await client.get("/health", timeout=self.config.sglang_health_timeout_s)
+            response = await client.get("/health", timeout=self.config.sglang.health_timeout_s)
         except httpx.HTTPError as exc:
             raise ServingError.unavailable(f"{self.server_name} server does not answer /health: "
                                            f"{type(exc).__name__}: {exc}") from exc

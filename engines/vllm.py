@@ -83,8 +83,8 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str) 
     argument.
     """
     path = Path(model_path)
-    overrides = parse_vllm_config(config.vllm_config)
-    max_len = config.vllm_maxlen
+    overrides = parse_vllm_config(config.vllm.config)
+    max_len = config.vllm.maxlen
     declared = model_max_len(path)
     if declared is not None and max_len > declared and "max_model_len" not in overrides:
         logger.warning("vllm_maxlen=%d exceeds the model's context length %d; using %d",
@@ -97,12 +97,12 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str) 
         "trust_remote_code": config.trust_remote_code,
         "dtype": pick_vllm_dtype(config.infer_dtype, device),
         "max_model_len": max_len,
-        "gpu_memory_utilization": config.vllm_gpu_util,
-        "enforce_eager": config.vllm_enforce_eager,
+        "gpu_memory_utilization": config.vllm.gpu_util,
+        "enforce_eager": config.vllm.enforce_eager,
         "tensor_parallel_size": config.tensor_parallel_size,
         "pipeline_parallel_size": config.pipeline_parallel_size,
         "enable_lora": bool(adapters),
-        "max_lora_rank": config.vllm_max_lora_rank,
+        "max_lora_rank": config.vllm.max_lora_rank,
         # Our stat logger (scheduler_stats) replaces vLLM's periodic throughput log lines.
         "disable_log_stats": True,
     }
@@ -212,7 +212,7 @@ class VLLMEngine(Engine):
     @classmethod
     def check_config(cls, config: EngineConfig) -> None:
         """Raises ConfigError for a `vllm_config` that is not a JSON object."""
-        parse_vllm_config(config.vllm_config)
+        parse_vllm_config(config.vllm.config)
 
     async def start(self) -> None:
         self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from deployments.app import model_deployment_options, parse_args
-from engines.config import ConfigError, EngineConfig
+from engines.config import BACKEND_GROUPS, ConfigError, EngineConfig, flat_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,10 +18,10 @@ def test_defaults_match_llamafactory():
     assert cfg.use_kv_cache is True and cfg.trust_remote_code is False
     assert (cfg.do_sample, cfg.temperature, cfg.top_p, cfg.top_k) == (True, 0.95, 0.7, 50)
     assert (cfg.max_new_tokens, cfg.repetition_penalty) == (1024, 1.0)
-    assert (cfg.vllm_maxlen, cfg.vllm_gpu_util, cfg.vllm_enforce_eager,
-            cfg.vllm_max_lora_rank) == (4096, 0.7, False, 32)
-    assert (cfg.sglang_maxlen, cfg.sglang_mem_fraction, cfg.sglang_tp_size,
-            cfg.sglang_lora_backend) == (4096, 0.7, -1, "triton")
+    assert (cfg.vllm.maxlen, cfg.vllm.gpu_util, cfg.vllm.enforce_eager,
+            cfg.vllm.max_lora_rank) == (4096, 0.7, False, 32)
+    assert (cfg.sglang.maxlen, cfg.sglang.mem_fraction, cfg.sglang.tp_size,
+            cfg.sglang.lora_backend) == (4096, 0.7, -1, "triton")
     assert cfg.template is None and cfg.adapter_name_or_path is None
 
 
@@ -48,8 +48,8 @@ def test_unknown_field_is_rejected_by_name():
 
 
 def test_chunked_prefill_size_is_positive_or_minus_one():
-    assert EngineConfig().hf_chunked_prefill_size == 512
-    assert EngineConfig(hf_chunked_prefill_size=-1).hf_chunked_prefill_size == -1
+    assert EngineConfig().hf.chunked_prefill_size == 512
+    assert EngineConfig(hf_chunked_prefill_size=-1).hf.chunked_prefill_size == -1
     for bad in (0, -2):
         with pytest.raises(ConfigError, match="hf_chunked_prefill_size"):
             EngineConfig.from_dict({"hf_chunked_prefill_size": bad})
@@ -95,3 +95,40 @@ def test_stage_makes_a_reward_model_as_in_llamafactory():
     assert configs["rm"].is_reward_model and not configs["gen"].is_reward_model
     with pytest.raises(ConfigError, match=r"models\[0\]: stage 'rm' .* vllm backend cannot serve"):
         parse_args({"models": [{"model_id": "rm", "stage": "rm", "infer_backend": "vllm"}]})
+
+
+def test_flat_backend_fields_are_grouped_by_backend():
+    cfg = EngineConfig.from_dict({"infer_backend": "vllm", "vllm_maxlen": 8192, "vllm_config": {"max_num_seqs": 8},
+                                  "hf_max_num_seqs": 4, "sglang_tp_size": 2, "kt_method": "AMXINT4"})
+    assert (cfg.vllm.maxlen, cfg.vllm.config, cfg.vllm.gpu_util) == (8192, {"max_num_seqs": 8}, 0.7)
+    assert (cfg.hf.max_num_seqs, cfg.sglang.tp_size, cfg.kt.method) == (4, 2, "AMXINT4")
+    # every group field is written flat as <prefix><name>, and nothing else starts with a prefix
+    prefixed = {name for name in flat_fields() if name.startswith(("hf_", "vllm_", "sglang_", "kt_"))}
+    assert prefixed == {args.prefix + sub for args in BACKEND_GROUPS.values() for sub in args.model_fields}
+    assert not set(BACKEND_GROUPS) & set(flat_fields())
+
+
+def test_model_dump_round_trips_through_the_nested_form():
+    cfg = EngineConfig(infer_backend="sglang", sglang_maxlen=2048, sglang_launch_command=["python", "s.py"],
+                       hf_batch_wait_gap_ms=0, temperature=0.1)
+    dumped = cfg.model_dump(exclude={"extra_inert"})  # what build_app hands the replicas
+    assert dumped["sglang"]["maxlen"] == 2048 and "sglang_maxlen" not in dumped
+    assert EngineConfig.from_dict(dumped) == cfg
+    # `lmserve api` passes only the fields set; the ingress and replicas rebuild the same config
+    unset = cfg.model_dump(exclude={"extra_inert"}, exclude_unset=True)
+    assert unset["sglang"] == {"maxlen": 2048, "launch_command": ["python", "s.py"]}
+    _, configs = parse_args({"models": [{"model_id": "m", **unset}]})
+    assert configs["m"] == cfg
+    # a flat field wins over the same field of a nested group
+    assert EngineConfig.from_dict({**dumped, "sglang_maxlen": 512}).sglang.maxlen == 512
+
+
+def test_errors_name_the_flat_field():
+    with pytest.raises(ConfigError, match=r"my.yaml: .*field 'vllm_maxlen': .*greater than 0 \(got 0\)"):
+        EngineConfig.from_dict({"vllm_maxlen": 0}, source="my.yaml")
+    with pytest.raises(ConfigError, match=r"field 'sglang_mem_fraction'"):
+        EngineConfig.from_dict({"sglang": {"mem_fraction": 2}})
+    with pytest.raises(ConfigError, match=r"unknown field 'vllm_maxlenn'"):
+        EngineConfig.from_dict({"vllm_maxlenn": 1})
+    with pytest.raises(ConfigError, match=r"models\[0\].*field 'hf_max_num_seqs'"):
+        parse_args({"models": [{"hf_max_num_seqs": "many"}]})
