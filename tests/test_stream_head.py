@@ -9,6 +9,7 @@ import pytest
 
 from deployments.ingress import OpenAIIngress, create_app
 from deployments.model_client import InProcessClient
+from fake_engine import post_scope
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +39,7 @@ async def _call(app, path: str, payload: dict) -> list[tuple]:
             if not message.get("more_body"):
                 finished.set()
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
-             "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(raw)).encode())]}
-    await asyncio.wait_for(app(scope, receive, send), 120)
+    await asyncio.wait_for(app(post_scope(path, raw, spec_version="2.3"), receive, send), 120)
     return log
 
 
