@@ -82,8 +82,6 @@ METRICS: tuple[MetricSpec, ...] = (
                labels=LABELS + ("status",)),
 )
 
-METRICS_BY_NAME = {spec.name: spec for spec in METRICS}
-
 
 _recorder: "IngressMetrics | None" = None
 

@@ -36,8 +36,6 @@ from engines.model_source import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_NAMES = ("float16", "bfloat16", "float32")
-
 
 def cpu_supports_bfloat16() -> bool:
     """True when the CPU has native bf16 arithmetic (AVX512-BF16 or AMX-BF16)."""
