@@ -164,6 +164,11 @@ OUTPUTS: dict[str, str] = {
     "minimax1_empty": "<tool_calls>\n \n</tool_calls>",
     "minimax2_call": '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
                      '<parameter name="days"> 3 </parameter>\n</invoke>\n</minimax:tool_call>',
+    "minimax2_two": 'Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+                    '<parameter name="city">Paris</parameter>\n</invoke>\n<invoke name="search">\n'
+                    '<parameter name="sites">["a.org", "b.org"]</parameter>\n'
+                    '<parameter name="query">\nmulti\nline\n</parameter>\n</invoke>\n</minimax:tool_call>',
+    "minimax2_unclosed": '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>',
     "qwen35_call": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
     "qwen35_no_parameters": "<tool_call>\n<function=now>\n</function>\n</tool_call>",
