@@ -12,8 +12,9 @@ LLaMA-Factory itself (`bench/lf_golden_tools.py`).
 Where LLaMA-Factory raises on input it cannot format (a tool without `parameters` in the
 `default` format, parallel calls in `glm4`, arguments that are not JSON), `format_tools` and
 `format_function_calls` raise `ValueError` naming the format. Where LLaMA-Factory's extractor
-raises on model output (a crash of its API), `extract_tool_calls` returns the output as text,
-as it does for any output that holds no well-formed call.
+raises on model output, or finds a call its API then fails to answer (a name that is not a
+string), `extract_tool_calls` returns the output as text, as it does for any output that holds
+no well-formed call.
 
 Tools are OpenAI function definitions, `{"name", "description", "parameters"}`, bare (as
 LLaMA-Factory's API passes them) or wrapped as `{"type": "function", "function": {...}}`.
@@ -202,12 +203,16 @@ class ToolFormat(ABC):
         """The tool calls in model output `text`, or `text` itself when it holds none.
 
         LLaMA-Factory's `tool_extractor`. Never raises: output on which LLaMA-Factory's extractor
-        raises is returned as text.
+        raises is returned as text, and so is a call whose name is not a string (JSON such as
+        `{"name": 1, ...}`), which LLaMA-Factory's API fails to answer.
         """
         try:
-            return self._extract_tool_calls(text)
+            calls = self._extract_tool_calls(text)
         except (*_FORMAT_ERRORS, RecursionError):  # RecursionError: JSON or Python nested too deep to parse
             return text
+        if isinstance(calls, list) and not all(isinstance(call.name, str) for call in calls):
+            return text
+        return calls
 
     @abstractmethod
     def _format_tools(self, tools: list[dict[str, Any]], today: datetime.date) -> str: ...

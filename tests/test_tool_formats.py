@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engines.tool_formats import TOOL_FORMAT_NAMES, FunctionCall, get_tool_format
 
@@ -101,3 +103,37 @@ def test_unknown_name_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown tool format 'hermes'") as info:
         get_tool_format("hermes")
     assert all(name in str(info.value) for name in TOOL_FORMAT_NAMES)
+
+
+# Pieces of every format's call syntax, well-formed and not, for model outputs made of them.
+FRAGMENTS = st.sampled_from([
+    "<tool_call>", "</tool_call>", "<tool_calls>", "</tool_calls>", "<minimax:tool_call>", "</minimax:tool_call>",
+    '<invoke name="f">', "</invoke>", '<parameter name="k">', "</parameter>", "<function=f>", "</function>",
+    "<parameter=k>", "<seed:tool_call>", "</seed:tool_call>", "<|tool_call_start|>", "<|tool_call_end|>",
+    "<|tool_call>call:f{", "}<tool_call|>", '<|"|>', "<arg_key>k</arg_key>", "Action: f", "Action Input:",
+    "{", "}", "[", "]", "(", ")", ":", ",", '"name"', '"arguments"', '"parameters"', '"f"', "1", "[1]", "{1}",
+    "f(", "x=", "**kw", "true", "null", "NaN", "\n", " ", "```",
+]) | st.text(max_size=4)
+
+
+@pytest.mark.parametrize("name", TOOL_FORMAT_NAMES)
+@settings(max_examples=100, derandomize=True, deadline=None)
+@given(st.lists(FRAGMENTS, max_size=24).map("".join))
+def test_extract_tool_calls_never_raises(name, text):
+    """Any model output gives either the text itself or calls with a string name and string arguments."""
+    result = get_tool_format(name).extract_tool_calls(text)
+    assert result == text or all(isinstance(c.name, str) and isinstance(c.arguments, str) for c in result)
+
+
+@pytest.mark.parametrize("name", ["qwen", "llama3", "mistral", "minimax1"])
+def test_call_without_a_string_name_is_text(name):
+    text = {"qwen": '<tool_call>{"name": 1, "arguments": {}}</tool_call>', "llama3": '{"name": 1, "parameters": {}}',
+            "mistral": '[{"name": null, "arguments": {}}]',
+            "minimax1": '<tool_calls>\n{"name": [], "arguments": {}}\n</tool_calls>'}[name]
+    assert get_tool_format(name).extract_tool_calls(text) == text
+
+
+@pytest.mark.parametrize("name", TOOL_FORMAT_NAMES)
+def test_output_nested_too_deep_is_text(name):
+    text = "[" * 100_000 + "]" * 100_000
+    assert get_tool_format(name).extract_tool_calls(text) == text
