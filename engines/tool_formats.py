@@ -132,8 +132,9 @@ LING_TOOL_PROMPT = (
 LFM2_TOOL_PROMPT = "List of tools: <|tool_list_start|>{tool_text}<|tool_list_end|>"
 
 # What LLaMA-Factory's formatters raise on input they cannot format (a missing key, a value of the
-# wrong type, JSON that does not parse): each becomes one `ValueError` naming the format.
-_FORMAT_ERRORS = (KeyError, TypeError, AttributeError, IndexError, ValueError)
+# wrong type, JSON that does not parse, JSON or Python nested too deep to handle): each becomes one
+# `ValueError` naming the format.
+_FORMAT_ERRORS = (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError)
 
 
 def _json(value: Any, indent: int | None = None) -> str:
@@ -208,7 +209,7 @@ class ToolFormat(ABC):
         """
         try:
             calls = self._extract_tool_calls(text)
-        except (*_FORMAT_ERRORS, RecursionError):  # RecursionError: JSON or Python nested too deep to parse
+        except _FORMAT_ERRORS:
             return text
         if isinstance(calls, list) and not all(isinstance(call.name, str) for call in calls):
             return text

@@ -137,3 +137,11 @@ def test_call_without_a_string_name_is_text(name):
 def test_output_nested_too_deep_is_text(name):
     text = "[" * 100_000 + "]" * 100_000
     assert get_tool_format(name).extract_tool_calls(text) == text
+
+
+def test_tools_nested_too_deep_are_a_value_error():
+    schema: dict = {}
+    for _ in range(100_000):
+        schema = {"type": "object", "properties": {"x": schema}}
+    with pytest.raises(ValueError, match="tool format 'qwen' cannot describe these tools"):
+        get_tool_format("qwen").format_tools([{"name": "f", "parameters": schema}])
