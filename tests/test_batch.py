@@ -1,12 +1,15 @@
 """`lmserve batch`: datasets in LLaMA-Factory's formats -> generated_predictions.jsonl on Ray Data."""
 
+import asyncio
 import json
 import subprocess
 import sys
 
 import pytest
 
-from deployments.batch import DatasetError, read_dataset
+from deployments.batch import DatasetError, EngineWorker, plan_batches, read_dataset, resume_output
+from engines.config import EngineConfig
+from tests.fake_engine import FakeEngine, write_tiny_model_dir
 
 LMSERVE = [sys.executable, "-m", "deployments.cli"]
 ALPACA = [{"instruction": "What is the capital of France?", "input": "", "output": "Paris"},
@@ -47,21 +50,107 @@ def test_bad_datasets_name_file_and_row(tmp_path):
         read_dataset(str(path))
 
 
+def test_resume_drops_a_partial_last_line(tmp_path):
+    """A crash mid-write leaves the last line without its newline, or cut inside its JSON: it is
+    cut off so its example is generated again, never counted as done and appended to."""
+    out = tmp_path / "generated_predictions.jsonl"
+    done = json.dumps({"prompt": "p0", "predict": "a0", "label": "l0"}) + "\n"
+    partial = json.dumps({"prompt": "p1", "predict": "a1", "label": "l1"})
+    for tail in (partial[:20], partial, partial[:20] + "\n"):  # cut JSON; whole JSON, no newline; cut JSON + newline
+        out.write_text(done + tail)
+        assert resume_output(out, num_examples=3) == 1
+        assert out.read_text() == done
+    out.write_text(done + done)  # complete lines are kept
+    assert resume_output(out, num_examples=3) == 2 and out.read_text() == done + done
+    out.write_bytes(b"")
+    assert resume_output(out, num_examples=3) == 0
+
+
+def test_resume_refuses_a_file_that_is_not_these_predictions(tmp_path):
+    out = tmp_path / "generated_predictions.jsonl"
+    line = json.dumps({"prompt": "p", "predict": "a", "label": "l"}) + "\n"
+    out.write_text(line + "{cut\n" + line)
+    with pytest.raises(DatasetError, match=r"generated_predictions.jsonl: line 2 is not a JSON prediction"):
+        resume_output(out, num_examples=3)
+    out.write_text(line * 4)
+    with pytest.raises(DatasetError, match="holds 4 predictions but the dataset has 3 examples"):
+        resume_output(out, num_examples=3)
+    assert out.read_text() == line * 4  # nothing cut from a refused file
+
+
+@pytest.mark.parametrize(("rows", "workers", "max_size", "sizes"), [
+    (10, 2, 16, [5, 5]),  # the default batch size would put all 10 rows on one actor
+    (10, 3, 16, [4, 4, 2]),
+    (3, 2, 16, [2, 1]),
+    (1, 4, 16, [1]),
+    (100, 2, 16, [16] * 6 + [4]),
+    (0, 2, 16, []),
+])
+def test_plan_batches_gives_every_worker_a_call(rows, workers, max_size, sizes):
+    assert plan_batches(rows, workers, max_size) == sizes
+
+
+def test_plan_batches_refuses_zero_workers():
+    with pytest.raises(ValueError, match="at least 1"):
+        plan_batches(10, 0, 16)
+
+
+class HeldEngine(FakeEngine):
+    """A fake engine that holds its first request back until `release` is set."""
+
+    def __init__(self, model_dir):
+        super().__init__()
+        self.model_path = model_dir
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def generate(self, request):
+        self.calls += 1
+        if self.calls == 1:  # a hang guard, not a timing: the release comes from the worker's report
+            await asyncio.wait_for(self.release.wait(), 60)
+        async for delta in super().generate(request):
+            yield delta
+
+
+def test_worker_reports_each_row_as_it_finishes(tmp_path):
+    """Progress counts rows, not batches: row 1's report comes while row 0 of the same batch is
+    still generating (row 0 is released only by that report)."""
+    model_dir = write_tiny_model_dir(tmp_path / "model")
+    engine = HeldEngine(model_dir)
+    reports = []
+
+    def on_row(worker):
+        reports.append((worker, engine.release.is_set()))
+        engine.release.set()
+
+    config = EngineConfig(model_name_or_path=str(model_dir)).model_dump(exclude={"extra_inert"})
+    worker = EngineWorker(config, on_row=on_row, engine=engine)
+    out = worker({"index": [0, 1], "label": ["l0", "l1"],
+                  "messages": [[{"role": "user", "content": "first"}], [{"role": "user", "content": "second"}]]})
+    assert reports == [(worker.name, False), (worker.name, True)]
+    assert list(out["index"]) == [0, 1] and out["predict"] == ["Hello, world!"] * 2
+    assert "first" in out["prompt"][0] and "second" in out["prompt"][1]
+
+
 @pytest.mark.slow
-def test_batch_generates_resumes_and_refuses(tmp_path, model_dir):
+def test_batch_generates_spreads_resumes_and_refuses(tmp_path, model_dir):
     data, config, out = tmp_path / "data.json", tmp_path / "infer.yaml", tmp_path / "generated_predictions.jsonl"
     data.write_text(json.dumps(ALPACA))
     config.write_text("model_name_or_path: smollm2\n")
     cmd = LMSERVE + ["batch", str(config), "do_sample=false", "max_new_tokens=16", "--dataset", str(data),
-                     "--output", str(out), "--num-cpus", "1"]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+                     "--output", str(out), "--num-cpus", "1", "--num-workers", "2"]
+    first = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["label"] for line in lines] == ["Paris", "chat", "4"]  # dataset order
     assert "Paris" in lines[0]["predict"] and "What is the capital of France?" in lines[0]["prompt"]
+    assert "rows per worker: 2, 1" in first.stderr  # both workers generated: calls of 2 and 1 rows
+    assert "3/3" in first.stderr  # the progress bar counted every row
 
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--resume" in refused.stderr
 
-    out.write_text("\n".join(json.dumps(line) for line in lines[:1]) + "\n")  # as if interrupted
-    subprocess.run(cmd + ["--resume"], check=True, capture_output=True, timeout=600)
+    # as if killed while writing the second line: the partial line is dropped and regenerated
+    out.write_text(json.dumps(lines[0]) + "\n" + json.dumps(lines[1])[:25])
+    resumed = subprocess.run(cmd + ["--resume"], check=True, capture_output=True, text=True, timeout=600)
+    assert "dropped an incomplete last line" in resumed.stderr and "1 already in" in resumed.stderr
     assert [json.loads(line) for line in out.read_text().splitlines()] == lines
