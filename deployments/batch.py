@@ -300,13 +300,14 @@ def run_batch(config: EngineConfig, dataset: str, output: str, *, resume: bool =
                                     ensure_ascii=False) + "\n")
                 fh.flush()
                 written += 1
+        # a worker's last report may trail its batch's output by a moment
+        per_worker = sorted(ray.get(progress.wait.remote(written - 1, 5.0)).values(), reverse=True)
     finally:
         stop.set()
         follower.join()
         bar.n = max(bar.n, done + written)
         bar.close()
-    # a worker's last report may trail its batch's output by a moment
-    per_worker = sorted(ray.get(progress.wait.remote(written - 1, 5.0)).values(), reverse=True)
+        ray.kill(progress)
     print(f"lmserve batch: wrote {written} predictions to {output}; rows per worker: "
           f"{', '.join(map(str, per_worker))}", file=sys.stderr)
     return written
