@@ -85,6 +85,7 @@ def _api(args: argparse.Namespace) -> int:
     from ray import serve
 
     from deployments.app import build_app
+    from deployments.router import describe_served_models
 
     config = load_config_file(args.config, args.overrides)
     model_id = settings().api_model_name
@@ -95,7 +96,7 @@ def _api(args: argparse.Namespace) -> int:
     _isolate_a_new_local_cluster(port)
     ray.init()
     serve.start(http_options={"host": host, "port": port})
-    print(f"lmserve: serving {config.model_name_or_path!r} as model {model_id!r} "
+    print(f"lmserve: serving {config.model_name_or_path!r} as model {describe_served_models(model_id, config)} "
           f"({config.infer_backend}) on http://{host}:{port}/v1", file=sys.stderr)
     stop = _drain_on_signals()  # before serve.run, which waits for the model to load (minutes)
     try:

@@ -127,10 +127,8 @@ class OpenAIIngress:
         for entry in self.models.values():
             await self._load_renderer(entry)
         for entry in list(self.models.values()):
-            # a reward model's adapters are merged into it (engines/reward.py), not served apart
-            for name in entry.config.lora_adapters if not entry.config.is_reward_model else ():
-                adapter = entry.for_adapter(name)
-                self.models[adapter.model_id] = adapter
+            for variant in entry.variants():  # its adapters alone, its base model (router.served_model_ids)
+                self.models[variant.model_id] = variant
         self.metrics = ingress_metrics()
         self.metrics.add_models({mid: e.config.infer_backend for mid, e in self.models.items()})
         self.router = ModelRouter(self.models, self.settings.request_timeout_s, self.metrics,

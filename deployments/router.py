@@ -1,11 +1,11 @@
 """Where a request goes: the model registry of an ingress replica and the way to a model's engine.
 
-`ModelRouter` resolves the request's `model` to a `ModelEntry` (a base model or one of its LoRA
-adapters), refuses what the model cannot serve (the route, a capability its backend lacks), and
-streams the generation from the model's `ModelServer` replica or the engine in this replica:
-the deadline, the bound on requests at once, the one retry when a replica fails before any
-output, the request's metrics. Ray Serve LLM's `OpenAiIngress` does the same between its routes
-and its `LLMServer` deployments.
+`ModelRouter` resolves the request's `model` to a `ModelEntry` (a configured model, one of its
+LoRA adapters alone, or its base model: `served_model_ids`), refuses what the model cannot serve
+(the route, a capability its backend lacks), and streams the generation from the model's
+`ModelServer` replica or the engine in this replica: the deadline, the bound on requests at
+once, the one retry when a replica fails before any output, the request's metrics. Ray Serve
+LLM's `OpenAiIngress` does the same between its routes and its `LLMServer` deployments.
 """
 
 from __future__ import annotations
@@ -26,16 +26,43 @@ from deployments.model_client import InProcessClient, ReplicaClient
 from deployments.protocol import SamplingFields
 from engines import engine_capabilities
 from engines.base import Capabilities, GenerationDelta, GenerationRequest, TokenLogprob, Usage
-from engines.config import EngineConfig
+from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ErrorKind, ServingError
 from engines.prompt import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
 
 
+def served_model_ids(model_id: str, config: EngineConfig) -> dict[str, str | None]:
+    """The model IDs that one configured model answers to -> `GenerationRequest.lora_name`.
+
+    With LoRA adapters (`adapter_name_or_path`): `model_id` itself answers as LLaMA-Factory's API
+    answers for the same YAML (`EngineConfig.applied_adapters`: every adapter on huggingface, the
+    first on vllm and sglang); `<model_id>:<name>` is each adapter alone, as vLLM serves its
+    `--lora-modules`; `<model_id>:base` is the base model without adapters. A reward model's
+    adapters are merged into it (engines/reward.py) and not served apart.
+    """
+    if not config.lora_adapters or config.is_reward_model:
+        return {model_id: None}
+    return {model_id: None, **{f"{model_id}:{name}": name for name in config.lora_adapters},
+            f"{model_id}:{BASE_MODEL}": BASE_MODEL}
+
+
+def describe_served_models(model_id: str, config: EngineConfig) -> str:
+    """What `served_model_ids` serves, for a start-up line: `'m'`, or with adapters
+    `'m' (adapters sft, dpo applied; each alone as 'm:sft', 'm:dpo'; the base model as 'm:base')`."""
+    if len(served := served_model_ids(model_id, config)) == 1:
+        return repr(model_id)
+    alone = ", ".join(repr(mid) for mid, name in served.items() if name not in (None, BASE_MODEL))
+    return (f"{model_id!r} (adapter{'s' if len(config.applied_adapters) > 1 else ''} "
+            f"{', '.join(config.applied_adapters)} applied; each alone as {alone}; the base model as "
+            f"'{model_id}:{BASE_MODEL}')")
+
+
 class ModelEntry:
-    """A public model ID: a base model, or one of its LoRA adapters (`lora_name` set) served by
-    the base model's replicas."""
+    """A public model ID: a configured model (`lora_name` None: with the adapters it is
+    configured with), one of its LoRA adapters alone, or its base model (`lora_name` =
+    `BASE_MODEL`); the latter two are served by the configured model's replicas (`parent`)."""
 
     lora_name: str | None = None
     parent: str | None = None
@@ -47,14 +74,22 @@ class ModelEntry:
         self.capabilities: Capabilities = engine_capabilities(config.infer_backend)
         self.renderer: PromptRenderer | None = None
 
-    def for_adapter(self, name: str) -> "ModelEntry":
-        adapter = copy.copy(self)
-        adapter.model_id, adapter.lora_name, adapter.parent = f"{self.model_id}:{name}", name, self.model_id
-        return adapter
+    def variants(self) -> list["ModelEntry"]:
+        """The entries of this model's other IDs (`served_model_ids`): each adapter alone, the
+        base model; none without adapters."""
+        variants = []
+        for model_id, lora_name in served_model_ids(self.model_id, self.config).items():
+            if lora_name is not None:
+                variant = copy.copy(self)
+                variant.model_id, variant.lora_name, variant.parent = model_id, lora_name, self.model_id
+                variants.append(variant)
+        return variants
 
     @property
     def root(self) -> str:
-        return self.config.lora_adapters[self.lora_name] if self.lora_name else self.config.model_name_or_path
+        """The weights this ID answers with: the adapter's path for an adapter alone, else the
+        model's (vLLM's `root`)."""
+        return self.config.lora_adapters.get(self.lora_name or "", self.config.model_name_or_path)
 
 
 def label_request(request: Request, entry: ModelEntry) -> None:
@@ -125,7 +160,7 @@ class ModelRouter:
     def __init__(self, models: dict[str, ModelEntry], request_timeout_s: float, metrics: IngressMetrics,
                  max_requests: int | None = None, backpressure_config: dict | None = None):
         self.models = models
-        self.base_model_ids = [mid for mid, entry in models.items() if entry.lora_name is None]
+        self.configured_model_ids = [mid for mid, entry in models.items() if entry.parent is None]
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
         self.max_requests = max_requests
@@ -133,14 +168,14 @@ class ModelRouter:
         self.requests_in_flight = 0
 
     def resolve(self, model: str | None) -> ModelEntry:
-        """The entry of `model`; None names the only base model when there is one.
+        """The entry of `model`; None names the only configured model when there is one.
 
         Raises:
             ServingError: INVALID_REQUEST (`model` missing with several models), NOT_FOUND.
         """
         if model is None:
-            if len(self.base_model_ids) == 1:
-                return self.models[self.base_model_ids[0]]
+            if len(self.configured_model_ids) == 1:
+                return self.models[self.configured_model_ids[0]]
             raise ServingError.invalid_request("`model` is required when several models are served", param="model")
         entry = self.models.get(model)
         if entry is None:

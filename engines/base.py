@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
 
+from engines.config import BASE_MODEL
 from engines.errors import ServingError
 
 if TYPE_CHECKING:
@@ -103,7 +104,11 @@ class MediaInput:
 @dataclass
 class GenerationRequest:
     """One generation: prompt token ids (shape `[prompt_len]`, image placeholders expanded),
-    sampling params, an ID, an optional LoRA adapter name and optional images (`media`)."""
+    sampling params, an ID, an optional LoRA adapter name and optional images (`media`).
+
+    `lora_name`: None = the model as configured, i.e. with `EngineConfig.applied_adapters` (as
+    LLaMA-Factory serves `adapter_name_or_path`); an adapter of `EngineConfig.lora_adapters` =
+    that adapter alone; `engines.config.BASE_MODEL` = the base model without adapters."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -212,10 +217,22 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
     if outside:
         raise ServingError.invalid_request(f"logit_bias: token id(s) {outside[:10]} are out of this model's vocabulary "
                                            f"(size {vocab_size})", param="logit_bias")
-    if request.lora_name is not None and request.lora_name not in config.lora_adapters:
+    if request.lora_name not in (None, BASE_MODEL, *config.lora_adapters):
         raise ServingError.invalid_request(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
                                            f"{sorted(config.lora_adapters)}", param="model")
     return params, max_tokens
+
+
+def single_lora_adapter(request: GenerationRequest, config: EngineConfig) -> str | None:
+    """The adapter (a name of `config.lora_adapters`) that a backend applying one LoRA adapter
+    per request (vLLM, SGLang) serves `request` with, None for the base model: the request's
+    own, else the first of `config.applied_adapters` (LLaMA-Factory 0.9.5's vllm and sglang
+    engines apply the first adapter to every request)."""
+    if request.lora_name == BASE_MODEL:
+        return None
+    if request.lora_name is None:
+        return next(iter(config.applied_adapters), None)
+    return request.lora_name
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,10 @@ _KT_TRAINING_FIELDS: dict[str, str] = {
 
 # What `infer_backend: ktransformers` cannot start without (SGLang needs --kt-num-gpu-experts
 # whenever --kt-weight-path is set; kt_cpuinfer also sizes the replica's CPU reservation).
+# The adapter name that selects the base model without any adapter (model ID `<model_id>:base`);
+# no adapter of `adapter_name_or_path` takes it (`EngineConfig.lora_adapters`).
+BASE_MODEL = "base"
+
 KT_REQUIRED_FIELDS = ("kt_weight_path", "kt_method", "kt_cpuinfer", "kt_num_gpu_experts")
 
 
@@ -240,9 +244,10 @@ class EngineConfig(BaseModel):
         "(LLaMA-Factory has no default; lmserve defaults to the embedded model.)",
     )
     adapter_name_or_path: str | list[str] | None = Field(
-        None, description="LoRA adapters (peft directories), comma-separated or a list. Each is served "
-        "as its own model ID `<model_id>:<name>`, named by its last path component (`-2`, `-3` for "
-        "repeats); LLaMA-Factory merges them on huggingface and applies the first on vLLM and SGLang."
+        None, description="LoRA adapters (peft directories), comma-separated or a list. The model ID answers "
+        "as LLaMA-Factory does: every adapter applied, in order, on huggingface; the first on vllm and sglang. "
+        "Each adapter alone is `<model_id>:<name>` (its last path component, `-2`, `-3` for repeats) and the "
+        "base model without adapters is `<model_id>:base`."
     )
     template: str | None = Field(
         None, description="Chat template: unset = the tokenizer's own; a Jinja file path or inline Jinja; a "
@@ -383,16 +388,26 @@ class EngineConfig(BaseModel):
         """Adapter name -> path for every adapter in `adapter_name_or_path`.
 
         The name is the path's last component (`saves/llama3-8b/lora/sft` -> `sft`), made
-        unique with a numeric suffix; clients select it with model ID `<model_id>:<name>`.
+        unique with a numeric suffix (`base` is `BASE_MODEL`'s, so an adapter in a directory
+        `base` is `base-2`); clients select it with model ID `<model_id>:<name>`.
         """
         names: dict[str, str] = {}
         for path in self.adapters:
-            base = re.sub(r"[^A-Za-z0-9_.-]", "_", path.rstrip("/").split("/")[-1]) or "adapter"
-            name, k = base, 2
-            while name in names:
-                name, k = f"{base}-{k}", k + 1
+            stem = re.sub(r"[^A-Za-z0-9_.-]", "_", path.rstrip("/").split("/")[-1]) or "adapter"
+            name, k = stem, 2
+            while name in names or name == BASE_MODEL:
+                name, k = f"{stem}-{k}", k + 1
             names[name] = path
         return names
+
+    @property
+    def applied_adapters(self) -> list[str]:
+        """Names (from `lora_adapters`) of the adapters that a request naming none is served
+        with, as LLaMA-Factory 0.9.5 serves `adapter_name_or_path`: every adapter, in order, on
+        huggingface (`model/adapter.py` `init_adapter` merges them all); the first on vllm and
+        sglang (`chat/vllm_engine.py`, `chat/sglang_engine.py`); none without adapters."""
+        names = list(self.lora_adapters)
+        return names if self.infer_backend == "huggingface" else names[:1]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str | None = None) -> "EngineConfig":

@@ -29,7 +29,7 @@ from engines.base import (
     Usage,
     prepare_generation,
 )
-from engines.config import EngineConfig
+from engines.config import BASE_MODEL, EngineConfig
 from engines.continuous_batching import BatchRequest, ContinuousBatcher
 from engines.errors import ModelLoadError, ServingError
 from engines.model_source import resolve_model_path
@@ -87,6 +87,94 @@ class _RequestState:
     choices: list[_Choice] = field(default_factory=list)
 
 
+# peft's adapter name for "no adapter" in a mixed batch (`adapter_names`).
+PEFT_BASE = "__base__"
+# The peft name of the adapter that applies all of `EngineConfig.applied_adapters`; a ":" keeps
+# it apart from every name `EngineConfig.lora_adapters` gives.
+ALL_ADAPTERS = "lmserve:applied"
+
+
+def _check_adapter_fits(model: Any, name: str, path: str) -> None:
+    """Refuse an adapter whose LoRA weights do not all land in `model`: peft loads an adapter of
+    a deeper model (layers this one lacks) without a word and drops the extra weights, and one
+    with fewer layers leaves the rest at their initial values.
+
+    Raises:
+        ModelLoadError: naming `adapter_name_or_path` and a few of the weights.
+    """
+    from peft.utils import get_peft_model_state_dict, load_peft_weights
+
+    in_file = {k for k in load_peft_weights(path, device="cpu") if "lora_" in k}
+    in_model = {k for k in get_peft_model_state_dict(model, adapter_name=name) if "lora_" in k}
+    if in_file != in_model:
+        extra, missing = sorted(in_file - in_model), sorted(in_model - in_file)
+        raise ModelLoadError(
+            f"adapter_name_or_path: LoRA adapter {path!r} does not fit this model (is it an adapter of another base "
+            f"model?): {len(extra)} of its weights have no place in the model (e.g. {extra[:2]}), {len(missing)} "
+            f"of the model's LoRA weights are not in it (e.g. {missing[:2]})")
+
+
+def _combine_adapters(model: Any, names: list[str], combined: str, paths: dict[str, str]) -> None:
+    """Add adapter `combined` to peft `model`: the sum of the deltas of adapters `names`
+    (peft's `add_weighted_adapter`, `cat`), checked layer by layer on a random probe.
+
+    `cat` puts each adapter's scaling s_i into its A rows, so the result's own scaling must be 1;
+    peft derives it from the first adapter's config, which gives sqrt(rank) under rsLoRA, so it
+    is set to 1 here. The probe then checks, in every LoRA layer, that s_c * B_c @ A_c equals the
+    sum of s_i * B_i @ A_i.
+
+    Raises:
+        ModelLoadError: naming `adapter_name_or_path`, for adapters whose effect is not a LoRA
+            delta alone (whole modules in `modules_to_save`, DoRA, LoRA biases), which cannot be
+            applied together per request, or a combination that does not add up.
+    """
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    for name in names:
+        cfg = model.peft_config[name]
+        extras = [what for what, present in (("modules_to_save", cfg.modules_to_save), ("use_dora", cfg.use_dora),
+                                             ("lora_bias", getattr(cfg, "lora_bias", False))) if present]
+        if extras:
+            raise ModelLoadError(
+                f"adapter_name_or_path: adapter {paths[name]!r} sets {', '.join(extras)}; with several adapters only "
+                "plain LoRA deltas can be applied together per request. Merge the adapters into the model offline "
+                "(`llamafactory-cli export`) or serve one adapter")
+    try:
+        model.add_weighted_adapter(names, [1.0] * len(names), adapter_name=combined, combination_type="cat")
+    except Exception as exc:
+        raise ModelLoadError(f"adapter_name_or_path: adapters {[paths[n] for n in names]} cannot be applied "
+                             f"together: {type(exc).__name__}: {exc}") from exc
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer_name, layer in model.named_modules():
+            if not isinstance(layer, LoraLayer) or combined not in layer.scaling:
+                continue
+            layer.scaling[combined] = 1.0
+            pairs = {n: _lora_factors(layer, n) for n in [combined, *names]}
+            pairs = {n: ab for n, ab in pairs.items() if ab is not None}
+            a_c, b_c = pairs.pop(combined)
+            # in float32, within the rounding of the adapters' own dtype (bf16 keeps ~3 digits)
+            tolerance = max(1e-4, 8 * torch.finfo(a_c.dtype).eps)
+            probe = torch.randn(a_c.shape[1], 4, generator=generator).to(a_c.device)
+            got = layer.scaling[combined] * (b_c.float() @ (a_c.float() @ probe))
+            want = sum(layer.scaling[n] * (b.float() @ (a.float() @ probe)) for n, (a, b) in pairs.items())
+            if float((got - want).abs().max()) > tolerance * float(want.abs().max()) + 1e-12:
+                raise ModelLoadError(f"adapter_name_or_path: adapters {[paths[n] for n in names]} do not add up to "
+                                     f"one LoRA in {layer_name} (peft `add_weighted_adapter`); serve them one at a "
+                                     "time or merge them offline")
+
+
+def _lora_factors(layer: Any, name: str) -> tuple[Any, Any] | None:
+    """Adapter `name`'s LoRA factors in `layer` as matrices A `[r, in]`, B `[out, r]` (None when
+    the adapter does not target the layer)."""
+    if name in layer.lora_A:
+        return layer.lora_A[name].weight.flatten(1), layer.lora_B[name].weight.flatten(1)
+    if name in getattr(layer, "lora_embedding_A", {}):
+        return layer.lora_embedding_A[name], layer.lora_embedding_B[name]
+    return None
+
+
 def _emit_to_loop(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, items: Any) -> None:
     """Hand a batch step's items (or an exception) from the batcher thread to a request's loop;
     dropped when that loop is already closed (its caller is gone, nobody is left to read them)."""
@@ -117,6 +205,8 @@ class HuggingFaceEngine(Engine):
         self._mrope = False
         self.model_path: Path | None = None
         self._reward: Any = None  # engines.reward.RewardModel when config.is_reward_model
+        # GenerationRequest.lora_name -> peft adapter name of the batch row (None: no peft model)
+        self._peft_names: dict[str | None, str] = {}
         self._score_lock = asyncio.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -176,8 +266,22 @@ class HuggingFaceEngine(Engine):
         logger.info("loaded %s on %s as %s", path, device, dtype)
 
     def _load_adapters(self, model: Any) -> Any:
-        """Wrap `model` with every LoRA adapter (peft), each under its own name; a batch can then
-        mix adapters row by row (peft's `adapter_names`), and rows without one use the base."""
+        """Wrap `model` with every LoRA adapter (peft), each under its own name, plus one adapter
+        that applies all of `config.applied_adapters` at once; a batch can then mix adapters row
+        by row (peft's `adapter_names`, `self._peft_names`).
+
+        LLaMA-Factory 0.9.5's huggingface engine merges every adapter into the weights, in order
+        (`init_adapter`: `merge_and_unload` per adapter), which leaves W + s1*B1@A1 + s2*B2@A2 + ...
+        The combined adapter is peft's `add_weighted_adapter(..., combination_type="cat")` with
+        weights 1: its rank is the sum of the ranks and its delta the sum of the adapters' deltas,
+        i.e. the same weights without merging them (merging would lose the base model and the
+        adapters alone).
+
+        Raises:
+            ModelLoadError: naming `adapter_name_or_path`, when an adapter does not fit the model
+                (targets modules it lacks, other shapes, layers it does not have) or the adapters
+                cannot be applied together (`_combine_adapters`).
+        """
         adapters = self.config.lora_adapters
         if not adapters:
             return model
@@ -189,10 +293,19 @@ class HuggingFaceEngine(Engine):
                     model = PeftModel.from_pretrained(model, path, adapter_name=name)
                 else:
                     model.load_adapter(path, adapter_name=name)
+                _check_adapter_fits(model, name, path)
+            except ModelLoadError:
+                raise
             except Exception as exc:
-                raise ModelLoadError(f"could not load LoRA adapter {name!r} from {path!r}: "
+                raise ModelLoadError(f"adapter_name_or_path: LoRA adapter {path!r} does not fit model "
+                                     f"{self.config.model_name_or_path!r} (is it an adapter of another base model?): "
                                      f"{type(exc).__name__}: {exc}") from exc
-        logger.info("loaded LoRA adapters %s", list(adapters))
+        applied = self.config.applied_adapters
+        if len(applied) > 1:
+            _combine_adapters(model, applied, ALL_ADAPTERS, adapters)
+        self._peft_names = {None: ALL_ADAPTERS if len(applied) > 1 else applied[0], BASE_MODEL: PEFT_BASE,
+                            **{name: name for name in adapters}}
+        logger.info("loaded LoRA adapters %s; requests without one are served with %s", list(adapters), applied)
         return model
 
     def model_info(self) -> ModelInfo:
@@ -249,7 +362,7 @@ class HuggingFaceEngine(Engine):
         batch_request = BatchRequest(
             request_id=request.request_id, prompt_ids=state.prompt_ids, params=state.params,
             max_tokens=state.max_tokens, eos_ids=state.eos_ids, generator=state.generator,
-            lora_name=request.lora_name, model_inputs=self._model_inputs(request),
+            lora_name=self._peft_names.get(request.lora_name), model_inputs=self._model_inputs(request),
             emit=partial(_emit_to_loop, loop, events),
         )
         self._batcher.submit(batch_request)

@@ -46,6 +46,7 @@ from engines.base import (
     TokenLogprob,
     Usage,
     prepare_generation,
+    single_lora_adapter,
 )
 from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.errors import ModelLoadError, ServingError
@@ -102,7 +103,8 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
     `sglang_mem_fraction` -> `--mem-fraction-static`; `sglang_tp_size` (-1 = every GPU visible to
     the replica, `tp_size`) -> `--tp-size`; `infer_dtype` other than auto -> `--dtype`;
     `trust_remote_code` -> `--trust-remote-code`; every adapter of `adapter_name_or_path` ->
-    `--lora-paths NAME=PATH ...` (the names the ingress exposes as `<model_id>:<name>`) with
+    `--lora-paths NAME=PATH ...` (the names the ingress exposes as `<model_id>:<name>`; a request
+    without one is served with the first, as LLaMA-Factory's sglang engine means to) with
     `--lora-backend` from `sglang_lora_backend` and `--max-loras-per-batch` = the adapter count;
     `--api-key` (the replica's own); `--enable-metrics`; then `backend_flags` (the
     `ktransformers` backend's `--kt-*`). Last, `sglang_config` (a mapping or JSON
@@ -183,7 +185,9 @@ def sampling_params_payload(params: SamplingParams, max_tokens: int) -> dict[str
 
 def generate_payload(rid: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                      lora_name: str | None) -> dict[str, Any]:
-    """The JSON body of `POST /generate` (SGLang `GenerateReqInput`), always streamed."""
+    """The JSON body of `POST /generate` (SGLang `GenerateReqInput`), always streamed;
+    `lora_name`: the adapter's name in `--lora-paths` (`engines.base.single_lora_adapter`), None
+    for the base model."""
     body: dict[str, Any] = {
         "rid": rid,
         "input_ids": list(prompt_ids),
@@ -466,7 +470,7 @@ class SGLangEngine(Engine):
         rid = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
         parser = _StreamParser(params)
         parser.rids.add(rid)
-        body = generate_payload(rid, prompt_ids, params, max_tokens, request.lora_name)
+        body = generate_payload(rid, prompt_ids, params, max_tokens, single_lora_adapter(request, self.config))
         self._running += 1
         try:
             async with client.stream("POST", "/generate", json=body) as response:

@@ -32,6 +32,7 @@ from engines.base import (
     TokenLogprob,
     Usage,
     prepare_generation,
+    single_lora_adapter,
 )
 from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.errors import ModelLoadError, ServingError
@@ -187,7 +188,8 @@ class VLLMEngine(Engine):
 
     Every adapter of `adapter_name_or_path` is loaded at start under its name in
     `EngineConfig.lora_adapters` (the names the ingress exposes as `<model_id>:<name>`); a request
-    picks one with `GenerationRequest.lora_name`.
+    picks one with `GenerationRequest.lora_name`, and one without is served with the first
+    adapter, as LLaMA-Factory's vllm engine serves every request (`lora_request`).
 
     `AsyncLLM` belongs to the event loop that started it (its output handler is a task there):
     call `generate`, `check_health` and `shutdown` from that loop only (a Ray Serve replica has
@@ -249,7 +251,8 @@ class VLLMEngine(Engine):
                 await self._llm.add_lora(request)  # load now: a bad adapter fails the start
             except Exception as exc:
                 await self.shutdown()
-                raise ModelLoadError(f"could not load LoRA adapter {path!r}: {type(exc).__name__}: {exc}") from exc
+                raise ModelLoadError(f"adapter_name_or_path: vLLM could not load LoRA adapter {path!r} (is it an "
+                                     f"adapter of this base model?): {type(exc).__name__}: {exc}") from exc
             self._lora_requests[name] = request
         logger.info("vLLM ready: %s as %s on %s, max_model_len %d, adapters %s", self.model_path,
                     self._info.dtype, self.device, self._info.max_model_len, list(self._lora_requests))
@@ -330,6 +333,12 @@ class VLLMEngine(Engine):
 
     # ---- generation ------------------------------------------------------------------------
 
+    def lora_request(self, request: GenerationRequest) -> Any:
+        """vLLM's `LoRARequest` for `request` (`engines.base.single_lora_adapter`: without a
+        `lora_name`, the first adapter, as LLaMA-Factory's vllm engine), None for the base model."""
+        name = single_lora_adapter(request, self.config)
+        return self._lora_requests[name] if name is not None else None
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
@@ -340,7 +349,7 @@ class VLLMEngine(Engine):
         params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
                                                 vocab_size=self._vocab_size)
         prompt_ids = list(request.prompt_token_ids)
-        lora_request = self._lora_requests[request.lora_name] if request.lora_name is not None else None
+        lora_request = self.lora_request(request)
         try:
             vllm_params = VLLMSamplingParams(**sampling_arguments(params, max_tokens),
                                              output_kind=RequestOutputKind.DELTA)

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import collect, run
 from engines.base import GenerationRequest, SamplingParams
+from engines.config import BASE_MODEL
 from engines.errors import ServingError
 
 pytestmark = pytest.mark.slow
@@ -267,8 +268,9 @@ def test_batch_limit_queues_requests(model_dir, renderer):
 
 
 def test_lora_adapters_mix_in_one_batch(model_dir, lora_dir, renderer, hf_engine):
-    """An engine with a LoRA adapter: requests naming it differ from the base; base requests are
-    unchanged; both kinds batched together give the same answers as alone."""
+    """An engine with a LoRA adapter: requests naming it, and those naming none (the model as
+    configured, as LLaMA-Factory serves it), differ from the base model's; base requests are
+    unchanged; all kinds batched together give the same answers as alone."""
     from engines.config import EngineConfig
     from engines.huggingface import HuggingFaceEngine
 
@@ -282,14 +284,16 @@ def test_lora_adapters_mix_in_one_batch(model_dir, lora_dir, renderer, hf_engine
             return GenerationRequest("l", ids, SamplingParams(temperature=0, max_tokens=16), lora_name=lora)
 
         assert engine._batcher._last_logits == {"logits_to_keep": 1}  # through peft to the base model
-        base = text_of(run(collect(engine, one(None))))
+        base = text_of(run(collect(engine, one(BASE_MODEL))))
         tuned = text_of(run(collect(engine, one("sft-lora"))))
         assert base == base_alone and tuned != base
+        assert text_of(run(collect(engine, one(None)))) == tuned
 
         async def together():
-            return await asyncio.gather(collect(engine, one(None)), collect(engine, one("sft-lora")))
+            return await asyncio.gather(collect(engine, one(BASE_MODEL)), collect(engine, one("sft-lora")),
+                                        collect(engine, one(None)))
 
-        assert [text_of(d) for d in run(together())] == [base, tuned]
+        assert [text_of(d) for d in run(together())] == [base, tuned, tuned]
         with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="unknown LoRA adapter"):
             run(collect(engine, one("nope")))
     finally:

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import collect, group_exists, run
 from engines.base import GenerationRequest, SamplingParams
-from engines.config import EngineConfig
+from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ServingError
 from engines.ktransformers import KTransformersEngine
 from engines.sglang import SGLangEngine
@@ -60,8 +60,9 @@ def sglang_engine(model_dir, lora_dir):
     srun(engine.shutdown())
 
 
-def both(hf_engine, sglang_engine, ids, lora_name=None, **params):
-    """The same request on the huggingface engine and through the sglang engine."""
+def both(hf_engine, sglang_engine, ids, lora_name=BASE_MODEL, **params):
+    """The same request on the huggingface engine and through the sglang engine; by default the
+    base model (`sglang_engine` has an adapter, which serves requests that name none)."""
     request = GenerationRequest("t", ids, SamplingParams(**params), lora_name=lora_name)
     return run(collect(hf_engine, request)), srun(collect(sglang_engine, request))
 
@@ -133,7 +134,7 @@ def test_logit_bias_forces_and_bans_tokens_as_on_huggingface(hf_engine, sglang_e
     hf, sg = both(hf_engine, sglang_engine, ids, temperature=0, max_tokens=4, logprobs=0, logit_bias={forced: 100.0})
     assert [t.token_id for d in sg for t in d.logprobs] == [forced] * 4 and text_of(sg) == text_of(hf)
     plain = srun(collect(sglang_engine, GenerationRequest("p", ids, SamplingParams(temperature=0, max_tokens=1,
-                                                                                   logprobs=0))))
+                                                                                   logprobs=0), lora_name=BASE_MODEL)))
     first = plain[0].logprobs[0].token_id
     hf, sg = both(hf_engine, sglang_engine, ids, temperature=0, max_tokens=6, logprobs=0, logit_bias={first: -100.0})
     assert sg[0].logprobs[0].token_id != first and text_of(sg) == text_of(hf)
@@ -161,8 +162,12 @@ def test_lora_adapter_by_name(model_dir, lora_dir, sglang_engine, renderer):
     try:
         ids = renderer.render_chat(QUESTION)
         hf_out, sg_out = both(hf, sglang_engine, ids, lora_name="sft-lora", temperature=0, max_tokens=16)
-        base = srun(collect(sglang_engine, GenerationRequest("b", ids, SamplingParams(temperature=0, max_tokens=16))))
+        base = srun(collect(sglang_engine, GenerationRequest("b", ids, SamplingParams(temperature=0, max_tokens=16),
+                                                             lora_name=BASE_MODEL)))
         assert text_of(sg_out) == text_of(hf_out) and text_of(sg_out) != text_of(base)
+        # no adapter named: the first adapter, as LLaMA-Factory's sglang engine means to serve it
+        plain = srun(collect(sglang_engine, GenerationRequest("p", ids, SamplingParams(temperature=0, max_tokens=16))))
+        assert text_of(plain) == text_of(sg_out)
     finally:
         run(hf.shutdown())
     with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="unknown LoRA adapter"):

@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from engines.base import GenerationRequest, SamplingParams as EngineSamplingParams
-from engines.config import EngineConfig
+from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ServingError
 from engines.huggingface import HuggingFaceEngine
 
@@ -247,7 +247,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         # n > 1: every choice gets a request ID of its own (tokenizer_manager regenerates them).
         rids = [rid] if sp.n == 1 else [uuid.uuid4().hex for _ in range(sp.n)]
         queue: asyncio.Queue = asyncio.Queue()
-        request = GenerationRequest(rid, ids, params, lora_name=adapter_names.get(obj.lora_path))
+        # SGLang serves the base model to a request without `lora_path`
+        request = GenerationRequest(rid, ids, params, lora_name=adapter_names.get(obj.lora_path, BASE_MODEL))
         task = asyncio.get_running_loop().create_task(_run(engine, request, rids, obj, queue))
         for r in rids:
             tasks[r] = task
