@@ -264,13 +264,13 @@ def build_app(args: dict[str, Any]):
     handles, model_configs = {}, {}
     for entry, (model_id, config) in zip(app_args.models, configs.items()):
         opts = model_deployment_options(model_id, config, entry.deployment)
-        server = serve.deployment(ModelServer, **opts)
+        server = _deployment(ModelServer, opts, f"model {model_id!r}: deployment")
         engine_fields = config.model_dump(exclude={"extra_inert"})
         handles[model_id] = server.bind(model_id, engine_fields)
         model_configs[model_id] = engine_fields
     ingress_opts = deep_merge(INGRESS_DEPLOYMENT_DEFAULTS, app_args.ingress_deployment)
     # The FastAPI app is built on each ingress replica (OpenAIIngress.__serve_build_asgi_app__).
-    ingress = serve.deployment(serve.ingress()(OpenAIIngress), **ingress_opts)
+    ingress = _deployment(serve.ingress()(OpenAIIngress), ingress_opts, "ingress_deployment")
     return ingress.bind(model_configs, handles, app_args.ingress_settings())
 
 
@@ -319,6 +319,21 @@ def _build_direct_streaming_app(app_args: AppArgs, configs: dict[str, EngineConf
         except ValidationError as exc:
             raise ConfigError(format_validation_error(
                 exc, f"model {model_id!r}: deployment.backpressure_config")) from None
-    server = serve.deployment(serve.ingress()(DirectStreamingServer), **opts)
+    server = _deployment(serve.ingress()(DirectStreamingServer), opts, f"model {model_id!r}: deployment")
     return server.bind(model_id, config.model_dump(exclude={"extra_inert"}), app_args.ingress_settings(),
                        max_requests=max_requests, backpressure_config=backpressure)
+
+
+def _deployment(cls: type, options: dict, field: str):
+    """`serve.deployment(cls, **options)`: the merged options checked by Ray Serve's own schema.
+
+    Raises:
+        ConfigError: an option Ray Serve refuses once merged over lmserve's defaults (a lone
+            `min_replicas` above the default `max_replicas`), naming `field` (the model).
+    """
+    from ray import serve
+
+    try:
+        return serve.deployment(cls, **options)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, field, what="deployment options")) from None

@@ -17,30 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from pathlib import Path
 
-import yaml
-from pydantic import ValidationError
-
 from deployments.cluster_env import PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env
-from deployments.settings import direct_streaming_env, settings
-from engines.config import ConfigError, format_validation_error, load_config_file
-
-
-def _read_yaml(path: str | Path) -> object:
-    """A YAML file's content.
-
-    Raises:
-        ConfigError: the file cannot be read or is not YAML (one line, naming the file).
-    """
-    try:
-        return yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+from deployments.preflight import preflight
+from deployments.settings import settings
+from engines.config import ConfigError, load_config_file
 
 
 def _isolate_a_new_local_cluster(http_port: int) -> None:
@@ -79,34 +62,27 @@ def _ray_init_starts_a_local_cluster() -> bool:
 def _api(args: argparse.Namespace) -> int:
     """Serve one model like `llamafactory-cli api`: API_HOST (0.0.0.0), API_PORT (8000),
     API_KEY and API_MODEL_NAME (gpt-3.5-turbo) from the environment, as LLaMA-Factory reads them.
-    A cluster this starts runs in Ray Serve's high-throughput mode (`RAY_HIGH_THROUGHPUT_ENV`)."""
+    The config is checked first (`preflight`, as `lmserve check`); a cluster this starts runs in
+    Ray Serve's high-throughput mode (`RAY_HIGH_THROUGHPUT_ENV`). Start-up is watched as
+    `_run_until_signalled` says: a model that fails to load, or a replica that cannot be placed,
+    ends the command with its cause and exit status 1."""
     apply_ray_high_throughput_env()  # before Ray Serve's modules read their settings
     import ray
     from ray import serve
 
-    from deployments.app import build_app
     from deployments.router import describe_served_models
 
-    config = load_config_file(args.config, args.overrides)
-    model_id = settings().api_model_name
+    checked = preflight(args.config, args.overrides, kind="api")
+    config, model_id = checked.engine_config, checked.model_id
     host, port = settings().api_host, settings().api_port
-    entry = {"model_id": model_id, **config.model_dump(exclude={"extra_inert"}, exclude_unset=True)}
-    # One model: direct streaming (one hop), unless LMSERVE_DIRECT_STREAMING=0.
-    app = build_app({"models": [entry], "direct_streaming": direct_streaming_env(True)})
     _isolate_a_new_local_cluster(port)
     ray.init()
     serve.start(http_options={"host": host, "port": port})
     print(f"lmserve: serving {config.model_name_or_path!r} as model {describe_served_models(model_id, config)} "
           f"({config.infer_backend}) on http://{host}:{port}/v1", file=sys.stderr)
-    stop = _drain_on_signals()  # before serve.run, which waits for the model to load (minutes)
-    try:
-        serve.run(app, name="lmserve", route_prefix="/")
-    except KeyboardInterrupt:  # a second signal while loading
-        print("lmserve: second signal, stopping now", file=sys.stderr)
-        serve.shutdown()
-        return 0
-    print("lmserve: ready; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
-    return _run_until_signalled(["lmserve"], stop)
+    stop = _drain_on_signals()
+    serve.run_many(checked.targets, wait_for_applications_running=False)
+    return _run_until_signalled(["lmserve"], stop, ready=f"model {model_id!r} on http://{host}:{port}/v1")
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -178,38 +154,33 @@ def _serve(args: argparse.Namespace) -> int:
     open streams.) A cluster this starts runs in Ray Serve's high-throughput mode
     (`RAY_HIGH_THROUGHPUT_ENV`: HAProxy, direct ingress, gRPC between replicas).
 
-    The applications are built in this process (`_build_application`) and deployed with
-    `serve.run_many` without waiting for their replicas, so a signal or a lost cluster is
-    answered while models load. What a config file sets is honoured as the Serve controller
-    honours it (Ray 2.60 `ServeController.apply_config`): `http_options`, `grpc_options`,
-    `proxy_location`, `controller_options` and `tracing_config` start Serve; each application's
-    `name`, `route_prefix`, `import_path` + `args`, `logging_config` (default: the top-level
-    one) and `external_scaler_enabled` deploy it; `runtime_env` becomes the job's, the default
-    of every deployment without one of its own (as `serve run --runtime-env`).
+    The applications are built and checked in this process (`preflight`, as `lmserve check`)
+    and deployed with `serve.run_many` without waiting for their replicas, so a signal or a lost
+    cluster is answered while models load, and an application that fails to deploy ends the
+    command with its cause and exit status 1 (`_run_until_signalled`). What a config file sets
+    is honoured as the Serve controller honours it (Ray 2.60 `ServeController.apply_config`):
+    `http_options`, `grpc_options`, `proxy_location`, `controller_options` and `tracing_config`
+    start Serve; each application's `name`, `route_prefix`, `import_path` + `args`,
+    `logging_config` (default: the top-level one) and `external_scaler_enabled` deploy it;
+    `runtime_env` becomes the job's, the default of every deployment without one of its own (as
+    `serve run --runtime-env`).
 
     Raises:
-        ConfigError: the file is unreadable or not a Ray Serve config; an application cannot be
-            built from its `import_path` and `args`; or it sets what Serve offers only to
-            configs deployed through its controller (`deployments` overrides,
-            `autoscaling_policy`, `target_capacity`, different `runtime_env`s per application).
+        ConfigError: from `preflight`: the file is unreadable or not a Ray Serve config; an
+            application cannot be built from its `import_path` and `args` or its models' files
+            are missing; or it sets what Serve offers only to configs deployed through its
+            controller (`deployments` overrides, `autoscaling_policy`, `target_capacity`,
+            different `runtime_env`s per application).
     """
     apply_ray_high_throughput_env()  # before Ray Serve's modules read their settings
     import ray
     from ray import serve
     from ray.serve.config import ProxyLocation, gRPCOptions
-    from ray.serve.schema import ServeDeploySchema
 
-    try:
-        config = ServeDeploySchema.model_validate(_read_yaml(args.config))
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source=args.config, what="Ray Serve config")) from None
-    if config.target_capacity is not None:
-        raise ConfigError(f"{args.config}: `target_capacity`: applied only by Serve's controller (Ray's "
-                          f"`serve run`/`serve deploy`), not by `lmserve serve`")
-    runtime_env = _job_runtime_env(config, args.config)
-    targets = [_run_target(app, config, args.config) for app in config.applications]
+    checked = preflight(args.config, kind="serve")
+    config = checked.serve_config
     _isolate_a_new_local_cluster(config.http_options.port)
-    ray.init(namespace="serve", runtime_env=runtime_env)
+    ray.init(namespace="serve", runtime_env=checked.runtime_env)
     serve.start(
         http_options=config.http_options.model_dump(),
         proxy_location=config.proxy_location or ProxyLocation.EveryNode,
@@ -217,98 +188,12 @@ def _serve(args: argparse.Namespace) -> int:
         controller_options=config.controller_options,
         tracing_config=config.tracing_config,
     )
-    serve.run_many(targets, wait_for_applications_running=False)
+    stop = _drain_on_signals()
+    serve.run_many(checked.targets, wait_for_applications_running=False)
     print(f"lmserve: deployed {args.config}; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
-    return _run_until_signalled([target.name for target in targets])
-
-
-def _job_runtime_env(config, source: str) -> dict | None:
-    """The one `runtime_env` of a Ray Serve config's applications (None when none sets one).
-    `serve.run` gives every deployment without a `runtime_env` of its own the job's, so one
-    value for all applications is the job's; Serve has no per-application default outside its
-    controller's config path.
-
-    Raises:
-        ConfigError: two applications set different `runtime_env`s.
-    """
-    envs = {repr(app.runtime_env): app.runtime_env for app in config.applications}
-    if len(envs) > 1:
-        raise ConfigError(f"{source}: `lmserve serve` runs all applications in one Ray job, so they "
-                          f"need one `runtime_env`; found {len(envs)} different ones")
-    return next(iter(envs.values()), None) or None
-
-
-def _run_target(app, config, source: str):
-    """One application of a Ray Serve config (`ServeApplicationSchema`), built and ready for
-    `serve.run_many`.
-
-    Raises:
-        ConfigError: the application sets a field that only Serve's controller applies, or it
-            cannot be built (`_build_application`); the message names the file and application.
-    """
-    from ray.serve import RunTarget
-
-    controller_only = [field for field in ("deployments", "autoscaling_policy") if getattr(app, field)]
-    if controller_only:
-        raise ConfigError(f"{source}: application {app.name!r}: `{'`, `'.join(controller_only)}`: applied only by "
-                          f"Serve's controller (Ray's `serve run`/`serve deploy`), not by `lmserve serve`; "
-                          f"set deployment options per model in `args.models[].deployment`")
-    try:
-        application = _build_application(app.import_path, app.args)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: application {app.name!r}: {exc}") from None
-    return RunTarget(target=application, name=app.name, route_prefix=app.route_prefix,
-                     logging_config=app.logging_config or config.logging_config,
-                     external_scaler_enabled=app.external_scaler_enabled)
-
-
-def _build_application(import_path: str, args: dict):
-    """The Serve `Application` that `import_path` names: an application as it is (then `args`
-    must be empty), or a builder function called with `args` (validated into the pydantic model
-    its one parameter is annotated with, if any). Mirrors Ray 2.60's
-    `call_user_app_builder_with_args_if_necessary`, which `serve run` uses; `import_path` is
-    `module:attribute` or `module.attribute`, resolved with the working directory on the path,
-    as `serve run --app-dir .` does.
-
-    Raises:
-        ConfigError: the import fails, the object is neither an application nor a builder,
-            `args` do not validate, or the builder returns no application.
-    """
-    import importlib
-    import inspect
-
-    from pydantic import BaseModel
-    from ray.serve import Application
-
-    module_name, sep, attribute = import_path.partition(":")
-    if not sep:
-        module_name, _, attribute = import_path.rpartition(".")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        target = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"cannot import `import_path` {import_path!r}: {exc}") from None
-    if isinstance(target, Application):
-        if args:
-            raise ConfigError(f"{import_path!r} is an application, not a builder: it takes no `args`")
-        return target
-    if not inspect.isfunction(target) or len(inspect.signature(target).parameters) != 1:
-        raise ConfigError(f"{import_path!r} is neither an application nor a builder function of one argument")
-    annotation = next(iter(inspect.signature(target).parameters.values())).annotation
-    try:
-        if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
-            args = annotation.model_validate(args)
-        application = target(args)
-    except ConfigError:
-        raise
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source=import_path, what="application args")) from None
-    except (TypeError, ValueError) as exc:  # what a builder raises for arguments it refuses
-        raise ConfigError(f"{import_path!r} refused its `args`: {type(exc).__name__}: {exc}") from None
-    if not isinstance(application, Application):
-        raise ConfigError(f"{import_path!r} returned {type(application).__name__}, not a Serve application")
-    return application
+    base = f"http://{config.http_options.host}:{config.http_options.port}"
+    routes = ", ".join(f"{target.name} on {base}{target.route_prefix or ''}" for target in checked.targets)
+    return _run_until_signalled([target.name for target in checked.targets], stop, ready=routes)
 
 
 def _drain_on_signals() -> dict[str, int]:
@@ -329,31 +214,50 @@ def _drain_on_signals() -> dict[str, int]:
     return stop
 
 
-def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = None) -> int:
+def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = None, ready: str | None = None) -> int:
     """Keep this process (the Serve driver) up until SIGTERM or SIGINT (handlers from
     `_drain_on_signals`, installed here unless `stop` comes from an earlier call), then drain:
     delete the applications, which lets every replica finish its in-flight requests (up to its
     `graceful_shutdown_timeout_s`, at most `LMSERVE_DRAIN_TIMEOUT_S`, default 300 s) while new
     requests are refused, and shut Serve down. A second signal stops at once.
 
+    Meanwhile the applications' start is watched (`StartupWatcher`): once they all run, one line
+    says so, with `ready` (where they answer) and where Prometheus scrapes the metrics; an
+    application that fails to deploy, or a replica that Ray cannot place for
+    `LMSERVE_SCHEDULE_TIMEOUT_S`, is one line with its cause, and Serve is shut down.
+
     Returns:
-        0 after a drain; 1 when the Ray cluster went away first (`ray stop`, a lost head node):
-        its GCS refused connections `CLUSTER_GONE_CHECKS` times in a row, checked every
-        `CLUSTER_CHECK_INTERVAL_S`, so a supervisor sees the server is down.
+        0 after a drain; 1 when the applications failed to start, or when the Ray cluster went
+        away first (`ray stop`, a lost head node): its GCS refused connections
+        `CLUSTER_GONE_CHECKS` times in a row, checked every `CLUSTER_CHECK_INTERVAL_S`, so a
+        supervisor sees the server is down.
     """
     import time
 
     import ray
     from ray import serve
 
+    from deployments.startup import StartupWatcher, metrics_address
+
     if stop is None:
         stop = _drain_on_signals()
     gcs_address = ray.get_runtime_context().gcs_address
     misses, next_check = 0, time.monotonic() + CLUSTER_CHECK_INTERVAL_S
     cluster_gone = False
+    watcher: StartupWatcher | None = StartupWatcher(app_names, settings().schedule_timeout_s)
+    watcher.start()
     try:
         while not stop["signals"]:
             time.sleep(0.5)
+            if watcher is not None and watcher.outcome is not None:
+                if watcher.outcome.failure:
+                    print(f"lmserve: {watcher.outcome.failure}; stopping", file=sys.stderr)
+                    return 1
+                watcher = None
+                metrics = metrics_address()
+                print(f"lmserve: ready: {ready or ', '.join(app_names)}"
+                      + (f"; Prometheus metrics: {metrics}" if metrics else "")
+                      + "; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + CLUSTER_CHECK_INTERVAL_S
                 misses = 0 if _gcs_reachable(gcs_address) else misses + 1
@@ -422,32 +326,10 @@ def _download(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    """Validate a Ray Serve config's models, or a LLaMA-Factory inference YAML (a file without
-    `applications`) with its `key=value` overrides, as `serve` and `api` would load them."""
-    from deployments.app import parse_args
-    from engines.config import ConfigError
-
-    doc = _read_yaml(args.config)
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{args.config}: expected a Ray Serve config (a mapping with `applications`) "
-                          f"or a LLaMA-Factory inference YAML (a mapping of engine fields)")
-    if "applications" not in doc:
-        cfg = load_config_file(args.config, args.overrides)
-        print(f"{args.config}: {cfg.model_name_or_path} ({cfg.infer_backend})")
-        return 0
-    if args.overrides:
-        raise ConfigError(f"{args.config}: key=value overrides apply to LLaMA-Factory inference YAMLs, "
-                          f"not to a Ray Serve config")
-    if not isinstance(doc["applications"], list):
-        raise ConfigError(f"{args.config}: `applications` must be a list of applications")
-    try:
-        for app in doc["applications"]:
-            _, configs = parse_args(app.get("args", {}))
-            for model_id, cfg in configs.items():
-                print(f"{app.get('name')}: {model_id} -> {cfg.model_name_or_path} ({cfg.infer_backend})")
-    except ConfigError as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
-        return 2
+    """Check a Ray Serve config, or a LLaMA-Factory inference YAML (a file without
+    `applications`) with its `key=value` overrides, as `serve` and `api` check it before they
+    start (`preflight`); print one line per model."""
+    print("\n".join(preflight(args.config, args.overrides).models))
     return 0
 
 
@@ -480,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmserve",
                                      description="Serve LLMs on Ray Serve with an OpenAI-compatible API.")
     sub = parser.add_subparsers(dest="command", required=True)
+    commands: dict[str, argparse.ArgumentParser] = {}
     for name, func, text in (("api", _api, "serve one model from a LLaMA-Factory inference YAML (OpenAI API)"),
                              ("chat", _chat, "chat in the terminal with an in-process engine")):
         p = sub.add_parser(name, help=text)
@@ -513,7 +396,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manifest", default="k8s/rayservice.yaml")
     p.add_argument("--check", action="store_true", help="exit 1 if they differ, change nothing")
     p.set_defaults(func=_render_k8s)
-    args = parser.parse_args(argv)
+    commands.update(sub.choices)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = commands.get(argv[0]) if argv else None
+    # A subcommand's positionals are parsed in one run, so `key=value` overrides after an
+    # option would be refused; the command's own parser takes them anywhere, as LLaMA-Factory's
+    # `llamafactory-cli` does (`parse_intermixed_args`).
+    args = command.parse_intermixed_args(argv[1:]) if command else parser.parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, PortsInUseError) as exc:

@@ -48,6 +48,10 @@ class Settings(BaseSettings):
         300, gt=0, description="On SIGTERM, `lmserve serve`/`api` stop taking new requests and wait for the "
         "ongoing ones this long at most (seconds) before shutting Serve down; each deployment's own "
         "`graceful_shutdown_timeout_s` bounds its replicas further.")
+    schedule_timeout_s: float = Field(
+        60, ge=0, description="While `lmserve serve`/`api` start their applications, a replica that Ray has not "
+        "placed on any node for this long (seconds) is reported with the resources it asks for and what the "
+        "cluster has, and the command exits 1. Raise it where the Ray autoscaler adds nodes; 0 waits forever.")
     direct_streaming: bool | None = Field(
         None, description="Default of `args.direct_streaming`: an application of one model serves HTTP from "
         "the model's own replicas (one hop) instead of an ingress deployment in front of them. Unset: off "

@@ -51,11 +51,16 @@ def resolve_model_path(name: str) -> Path:
     """
     if is_embedded_model(name):
         return ensure_embedded_model()
-    path = Path(name).expanduser()
-    looks_local = path.is_absolute() or name.startswith((".", "~")) or path.exists()
-    if looks_local:
-        return check_model_dir(path)
+    if is_local_path(name):
+        return check_model_dir(Path(name).expanduser())
     return _download_from_hub(name)
+
+
+def is_local_path(name: str) -> bool:
+    """Whether `name` (a `model_name_or_path` or adapter path) names a local path rather than a
+    hub ID: absolute, starting with `.` or `~`, or existing here. Any other name is a hub ID."""
+    path = Path(name).expanduser()
+    return path.is_absolute() or name.startswith((".", "~")) or path.exists()
 
 
 # config.json keys that bound a model's context length (the ones vLLM reads first).

@@ -107,7 +107,7 @@ def test_check_validates_llamafactory_yamls_with_overrides_and_serve_configs(tmp
     assert code == 2 and "overrides apply to LLaMA-Factory inference YAMLs" in out
     bad.write_text("applications: 5\n")
     code, out = check(bad)
-    assert code == 2 and "`applications` must be a list" in out
+    assert code == 2 and "field 'applications': Input should be a valid list" in out
 
 
 def test_clusters_start_in_ray_serve_high_throughput_mode_unless_the_environment_says_otherwise():
@@ -142,8 +142,10 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
     # ports (a shared fallback proxy port once answered this request with the session's 401).
     env = {**os.environ, "API_PORT": str(port), "API_HOST": "127.0.0.1", "API_KEY": "cli-key",
            "API_MODEL_NAME": "my-sft"}
-    proc = subprocess.Popen(LMSERVE + ["api", str(lf_config), "do_sample=false"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = lf_config.parent / "api.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(LMSERVE + ["api", str(lf_config), "do_sample=false"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="cli-key", max_retries=0, timeout=60)
         deadline = time.monotonic() + 240
@@ -158,6 +160,16 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
                 time.sleep(1)
         assert "Paris" in resp.choices[0].message.content  # do_sample=false override: greedy
         assert [m.id for m in client.models.list().data] == ["my-sft"]
+        # One ready line: where the API answers and where Prometheus scrapes this node's metrics.
+        deadline = time.monotonic() + 60  # Serve's status may say RUNNING a moment after the first answer
+        while not (ready := [line for line in log.read_text().splitlines() if line.startswith("lmserve: ready: ")]):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.5)
+        assert len(ready) == 1 and f"model 'my-sft' on http://127.0.0.1:{port}/v1" in ready[0], ready
+        metrics_url = ready[0].split("Prometheus metrics: ")[1].split(";")[0]
+        import httpx
+
+        assert "ray_serve_" in httpx.get(metrics_url, timeout=30).text
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
         proc.send_signal(signal.SIGTERM)  # to the main process only: it drains and stops, as `lmserve serve`
@@ -336,3 +348,103 @@ def test_a_new_cluster_takes_its_own_ports_only_when_another_holds_the_defaults(
             http.listen()
             with pytest.raises(PortsInUseError, match=str(http_port)):
                 apply_own_serve_ports_if_taken(http_port, {})
+
+
+def _serve_config_of(tmp_path, args: str) -> Path:
+    config = tmp_path / "serve_config.yaml"
+    config.write_text("applications:\n  - name: a\n    route_prefix: /\n    import_path: deployments.app:build_app\n"
+                      f"    args:\n      {args}\n")
+    return config
+
+
+_CHECK_CASES = ["missing model", "missing adapter", "hub ID not cached, offline", "direct streaming, two models",
+                "deployment typo", "merged options refused", "kt fields missing"]
+
+
+@pytest.mark.parametrize("command, case", [("check", case) for case in _CHECK_CASES] + [
+    ("api", "missing model"), ("api", "missing adapter"), ("api", "kt fields missing"),
+    ("serve", "missing model"), ("serve", "direct streaming, two models")])
+def test_check_api_and_serve_refuse_what_would_fail_on_a_replica(tmp_path, command, case):
+    """`lmserve check` and the start of `api`/`serve` run one preflight: a model that no replica
+    could load, an adapter directory that is not there, or options Ray Serve refuses once merged
+    over lmserve's defaults are one line naming the file, the model and the field, exit 2, before
+    any Ray cluster starts (`check` passed them all; `api`/`serve` failed minutes later, in Ray)."""
+    missing = tmp_path / "saves" / "nope"
+    model, field, message = "m", "", ""
+    if case == "missing model":
+        entry = {"model_name_or_path": str(missing)}
+        field, message = "model_name_or_path", f"model path '{missing}' does not exist"
+    elif case == "missing adapter":
+        entry = {"adapter_name_or_path": f"{missing},other"}
+        field, message = "adapter_name_or_path", f"LoRA adapter path '{missing}' does not exist"
+    elif case == "hub ID not cached, offline":
+        entry = {"model_name_or_path": "no-such-org/no-such-model"}
+        field, message = "model_name_or_path", "not in the Hugging Face cache, and HF_HUB_OFFLINE is set"
+    elif case == "kt fields missing":
+        entry = {"infer_backend": "ktransformers", "kt_weight_path": "/w"}
+        message = "missing: kt_method, kt_cpuinfer, kt_num_gpu_experts"
+    elif case == "direct streaming, two models":
+        entry = None
+        args = "direct_streaming: true\n      models: [{model_id: m}, {model_id: n}]"
+        message = "direct_streaming serves one model per application, not 2 (m, n)"
+    elif case == "deployment typo":
+        entry = {"deployment": {"ray_actor_options": {"num_cpu": 1}}}
+        field = "models[0].deployment.ray_actor_options.num_cpu"
+    else:  # merged over the defaults (max_replicas 4)
+        entry = {"deployment": {"autoscaling_config": {"min_replicas": 5}}}
+        message = "model 'm': deployment: invalid deployment options: field 'autoscaling_config': max_replicas"
+    if command == "api" or (command == "check" and case in ("missing model", "missing adapter")):
+        config = tmp_path / "my_model.yaml"  # a LLaMA-Factory inference YAML, served as API_MODEL_NAME
+        config.write_text(yaml.safe_dump(entry))
+        model = "gpt-3.5-turbo"
+    else:
+        if entry is not None:
+            args = "models: [" + yaml.safe_dump({"model_id": "m", **entry}, default_flow_style=True).strip() + "]"
+        config = _serve_config_of(tmp_path, args)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "API_MODEL_NAME": "gpt-3.5-turbo", "RAY_ADDRESS": ""}
+    proc = subprocess.run(LMSERVE + [command, str(config)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lmserve: {config}: "), proc.stderr
+    assert message in lines[0]
+    if field:
+        assert f"field '{field}'" in lines[0]
+    if case not in ("direct streaming, two models", "deployment typo", "kt fields missing"):
+        assert f"model '{model}'" in lines[0]
+    assert "serving" not in proc.stderr and "deployed" not in proc.stderr  # refused before Ray started
+
+
+def test_check_accepts_a_hub_id_in_the_local_cache_and_existing_adapters(tmp_path, lf_config, tiny_model_dir):
+    """What a replica can load passes: a hub ID whose files are in the Hugging Face cache (with
+    the hub unreachable), a local model directory, a LoRA adapter directory."""
+    hub_cache = tmp_path / "hub"
+    snapshot = hub_cache / "models--org--cached-model" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (hub_cache / "models--org--cached-model" / "refs").mkdir()
+    (hub_cache / "models--org--cached-model" / "refs" / "main").write_text("0" * 40)
+    adapter = tmp_path / "sft"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
+    for overrides in (["model_name_or_path=org/cached-model"],
+                      [f"model_name_or_path={tiny_model_dir}", f"adapter_name_or_path={adapter}"]):
+        proc = subprocess.run(LMSERVE + ["check", str(lf_config), *overrides], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run(LMSERVE + ["check", str(lf_config), f"adapter_name_or_path={tiny_model_dir}"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "has no adapter_config.json: not a LoRA adapter directory" in proc.stderr
+
+
+def test_overrides_may_follow_options(tmp_path, lf_config):
+    """`key=value` overrides anywhere on the command line, as `llamafactory-cli` takes them
+    (they were refused after an option: "unrecognized arguments")."""
+    dataset = tmp_path / "data.json"
+    dataset.write_text("[]")
+    proc = subprocess.run(LMSERVE + ["batch", str(lf_config), "do_sample=false", "--dataset", str(dataset),
+                                     "temprature=3", "--num-workers", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown field 'temprature'" in proc.stderr and "unrecognized arguments" not in proc.stderr
+    proc = subprocess.run(LMSERVE + ["check", str(lf_config), "max_new_tokens=8", "-h"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: lmserve check" in proc.stdout

@@ -1,0 +1,102 @@
+"""Start-up failures of `lmserve api`/`serve` reach the terminal: a model that fails to load on
+its replica, an application that fails to deploy, a replica that Ray cannot place. Each runs the
+real command with its own local Ray cluster."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engines.server_process import free_port
+
+LMSERVE = [sys.executable, "-m", "deployments.cli"]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def broken_model(tmp_path) -> Path:
+    """A directory that passes `lmserve check` (it has a config.json) but that no replica can
+    load: the failure only a replica sees."""
+    path = tmp_path / "broken-model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": "not a number"}))
+    return path
+
+
+def _run(command: list[str], env: dict, timeout_s: float) -> tuple[int, str]:
+    """Run `lmserve` in its own process group; return its exit status and output (stdout and
+    stderr). Whatever is left of it (its Ray cluster) is killed at the end."""
+    proc = subprocess.Popen(LMSERVE + command, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"lmserve {command[0]} still running after {timeout_s} s:\n{out[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _lmserve_lines(out: str) -> list[str]:
+    """lmserve's own lines (Ray's log lines from the replicas are interleaved with them)."""
+    return [line for line in out.splitlines() if line.startswith("lmserve: ")]
+
+
+def _serve_config(tmp_path, model: str, deployment: str = "{}") -> Path:
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(f"""
+http_options: {{host: 127.0.0.1, port: {free_port()}}}
+applications:
+  - name: broken
+    route_prefix: /
+    import_path: deployments.app:build_app
+    args:
+      models:
+        - model_id: m
+          model_name_or_path: {model}
+          deployment: {deployment}
+""")
+    return config
+
+
+def test_api_prints_the_replicas_error_and_exits_when_the_model_fails_to_load(tmp_path, broken_model):
+    """The replica's own exception, not only Ray's "Deploying application lmserve failed", on
+    one `lmserve:` line; exit 1 once the deployment has failed."""
+    config = tmp_path / "my_model.yaml"
+    config.write_text(f"model_name_or_path: {broken_model}\n")
+    code, out = _run(["api", str(config)], {"API_PORT": str(free_port()), "API_HOST": "127.0.0.1"}, 300)
+    assert code == 1, out[-3000:]
+    failure = _lmserve_lines(out)[-1]
+    assert "application 'lmserve' failed to deploy: deployment 'ModelServer:gpt-3.5-turbo'" in failure
+    assert f"ModelLoadError: could not load model from '{broken_model}'" in failure and "hidden_size" in failure
+    assert "Traceback" not in "".join(_lmserve_lines(out))
+
+
+def test_serve_exits_when_its_application_fails_to_deploy(tmp_path, broken_model):
+    """`lmserve serve` used to print "deployed" and stay up, answering 404."""
+    code, out = _run(["serve", str(_serve_config(tmp_path, str(broken_model)))], {}, 300)
+    assert code == 1, out[-3000:]
+    failure = _lmserve_lines(out)[-1]
+    assert "application 'broken' failed to deploy: deployment 'ModelServer:m'" in failure
+    assert "ModelLoadError: could not load model" in failure
+
+
+def test_a_replica_that_cannot_be_placed_is_reported_with_its_resources(tmp_path):
+    """A replica asking for more CPUs than the cluster has: reported after
+    LMSERVE_SCHEDULE_TIMEOUT_S with what it asks for and what the cluster has (requests used to
+    hang, with a warning only in the controller's log)."""
+    config = _serve_config(tmp_path, "smollm2", "{ray_actor_options: {num_cpus: 64}}")
+    code, out = _run(["serve", str(config)], {"LMSERVE_SCHEDULE_TIMEOUT_S": "3"}, 240)
+    assert code == 1, out[-3000:]
+    failure = _lmserve_lines(out)[-1]
+    assert "application 'broken': deployment 'ModelServer:m': a replica has waited" in failure
+    assert "it asks for {'CPU': 64}; the cluster has {'CPU': " in failure and " free (" in failure
