@@ -144,11 +144,7 @@ class OpenAIIngress:
     async def _load_renderer(entry: ModelEntry) -> None:
         cfg = entry.config
         path = await asyncio.to_thread(resolve_model_path, cfg.model_name_or_path)
-        entry.renderer = await asyncio.to_thread(
-            PromptRenderer.from_pretrained, path, template=cfg.template, default_system=cfg.default_system,
-            enable_thinking=cfg.enable_thinking, trust_remote_code=cfg.trust_remote_code,
-            image_max_pixels=cfg.image_max_pixels, image_min_pixels=cfg.image_min_pixels,
-        )
+        entry.renderer = await asyncio.to_thread(PromptRenderer.for_config, path, cfg)
 
     # ---- routes --------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from deployments.router import ModelEntry, ModelRouter, check_capabilities, labe
 from deployments.serving import OpenAIServing, json_response, usage_info
 from deployments.settings import IngressSettings
 from deployments.sse import sse_event
-from deployments.tool_calls import ToolCallStreamer, parse_tool_calls
+from deployments.tool_calls import ToolCallParser, ToolCallStreamer, parse_tool_calls, parser_for
 from engines.base import GenerationDelta, GenerationRequest, MediaInput, TokenLogprob
 from engines.errors import ServingError
 from engines.media import ImageLoader, image_parts
@@ -69,21 +69,22 @@ class ChatServing(OpenAIServing):
         request_id = self.request_id(request, "chatcmpl")
         if self.settings.log_prompts:
             logger.info("%s messages=%r", request_id, messages)
-        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name,
-                                        media=media)
+        params = entry.renderer.with_stop_token_ids(body.to_sampling_params())
+        gen_request = GenerationRequest(request_id, prompt_ids, params, lora_name=entry.lora_name, media=media)
         created = int(time.time())
         if body.stream:
             first, stream = await self.router.start_stream(entry, gen_request, self.router.deadline(), arrival)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
-                                 parse_tools=body.tools_enabled)
+                                 parse_tools=body.tools_enabled, tool_parser=parser_for(entry.renderer.template))
             return self.sse_response(entry, chunks, stream)
         full = await self.router.generate_full(entry, gen_request, body.n, arrival)
         if self.settings.log_prompts:
             logger.info("%s completions=%r", request_id, full.texts)
         choices = []
         for i in range(body.n):
-            content, calls = parse_tool_calls(full.texts[i]) if body.tools_enabled else (full.texts[i], [])
+            parse = parser_for(entry.renderer.template) or parse_tool_calls
+            content, calls = parse(full.texts[i]) if body.tools_enabled else (full.texts[i], [])
             tool_calls = {"tool_calls": [c.to_openai() for c in calls]} if calls else {}  # no `"tool_calls": null`
             message = ChatCompletionMessage(role="assistant", content=content, **tool_calls)
             choices.append(ChatCompletionChoice(
@@ -127,7 +128,7 @@ class ChatServing(OpenAIServing):
 
 async def chat_chunks(request_id: str, created: int, model: str, n: int, first: list[GenerationDelta],
                       stream: AsyncIterator[GenerationDelta], include_usage: bool,
-                      parse_tools: bool = False) -> AsyncIterator[str]:
+                      parse_tools: bool = False, tool_parser: ToolCallParser | None = None) -> AsyncIterator[str]:
     """The SSE events of a streamed chat completion: a role chunk per choice, a chunk per delta
     with text, logprobs or a finish reason (a tool call, once complete, as one chunk with
     `finish_reason: "tool_calls"`), and the usage chunk last when `include_usage`.
@@ -151,7 +152,7 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
                                          stop_reason=stop_reason)
 
     usage = None
-    streamers = [ToolCallStreamer() for _ in range(n)] if parse_tools else None
+    streamers = [ToolCallStreamer(tool_parser) for _ in range(n)] if parse_tools else None
 
     def render(delta: GenerationDelta) -> list[str]:
         nonlocal usage

@@ -68,7 +68,8 @@ class CompletionServing(OpenAIServing):
         request_id = self.request_id(request, "cmpl")
         if self.settings.log_prompts:
             logger.info("%s prompt=%r", request_id, prompt)
-        gen_request = GenerationRequest(request_id, prompt_ids, body.to_sampling_params(), lora_name=entry.lora_name)
+        params = entry.renderer.with_stop_token_ids(body.to_sampling_params())
+        gen_request = GenerationRequest(request_id, prompt_ids, params, lora_name=entry.lora_name)
         created = int(time.time())
         if body.stream:
             with prompt_param("prompt"):

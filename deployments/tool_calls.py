@@ -8,6 +8,10 @@ Formats recognised (those the chat templates of common model families teach thei
 - Mistral style: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
 Output that matches none of them stays plain content. As in vLLM's tool parsers, arguments are
 returned as a JSON string.
+
+A model served with a LLaMA-Factory template writes calls in its template's tool format:
+`parser_for(template)` reads them with that format's extractor (`engines/tool_formats.py`), as
+LLaMA-Factory's API does (`template.extract_tool`); streamed, such output is held to the end.
 """
 
 from __future__ import annotations
@@ -15,7 +19,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from engines.chat_templates import ChatTemplate
+from engines.tool_formats import get_tool_format
 
 _TAG_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
@@ -87,16 +95,39 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
     return text, []
 
 
+ToolCallParser = Callable[[str], tuple[str | None, list[ParsedToolCall]]]
+
+
+def parser_for(template: ChatTemplate | None) -> ToolCallParser | None:
+    """The tool-call parser of a LLaMA-Factory template (its tool format's extractor; formats
+    that LLaMA-Factory cannot extract from, like phi4_mini's plain tools slot, take `default`),
+    or None for Jinja templates (`parse_tool_calls`)."""
+    if template is None:
+        return None
+    extractor = get_tool_format(template.tool_format or "default")
+
+    def parse(text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        result = extractor.extract_tool_calls(text)
+        if isinstance(result, str) or not result:
+            return text, []
+        return None, [ParsedToolCall(call.name, call.arguments) for call in result]
+
+    return parse
+
+
 class ToolCallStreamer:
     """Streams content while it cannot be a tool call, and holds back output that may be one.
 
     Feed each text delta to `feed`, which returns the content that can be sent now. At the end,
-    `finish` returns (remaining content, tool calls) for the held-back text.
+    `finish` returns (remaining content, tool calls) for the held-back text. With a template's
+    `parser` (`parser_for`), every delta is held and parsed at the end: the formats differ in how
+    a call starts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, parser: ToolCallParser | None = None) -> None:
+        self._parser = parser
         self._held = ""
-        self._holding = False
+        self._holding = parser is not None
         self._seen_text = False
 
     def feed(self, text: str) -> str:
@@ -127,5 +158,5 @@ class ToolCallStreamer:
         held, self._held = self._held, ""
         if not held:
             return "", []
-        content, calls = parse_tool_calls(held)
+        content, calls = (self._parser or parse_tool_calls)(held)
         return content or "", calls

@@ -43,13 +43,21 @@ TEMPLATES_FILE = Path(__file__).resolve().parent / "data" / "llamafactory_templa
 
 Slot = str | dict[str, str]  # text with {{content}}/{{idx}}, {"token": t} or {"special": "bos_token"|"eos_token"}
 
+# `template: tokenizer`: the tokenizer's Jinja chat template applied as it is (vLLM's and
+# SGLang's behaviour), not read into LLaMA-Factory's slots.
+TOKENIZER_TEMPLATE = "tokenizer"
 REASONING_CLASSES = ("ReasoningTemplate", "Glm47ReasoningTemplate")
 _PLACEHOLDER = re.compile(r"\{\{[a-zA-Z_][a-zA-Z0-9_]*\}\}")
 
 
 class TemplateError(ValueError):
     """A conversation this template cannot render (LLaMA-Factory raises on it too), or a
-    template that cannot be used with this tokenizer."""
+    template that cannot be used with this tokenizer. `param` names the request field at fault
+    (`messages` or `tools`)."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -232,8 +240,13 @@ class ChatTemplate:
         try:
             parsed = json.loads(tools)
         except json.JSONDecodeError:
-            raise TemplateError(f"invalid JSON in the tool descriptions: {tools!r}") from None
-        return get_tool_format(self.tool_format).format_tools(parsed, today=today) if len(parsed) != 0 else ""
+            raise TemplateError(f"invalid JSON in the tool descriptions: {tools!r}", param="tools") from None
+        if len(parsed) == 0:
+            return ""
+        try:
+            return get_tool_format(self.tool_format).format_tools(parsed, today=today)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TemplateError(f"template {self.name!r} cannot write these tools: {exc}", param="tools") from exc
 
     def _function_text(self, content: str, with_words: bool) -> str:
         """The text of an assistant's function calls (LLaMA-Factory's `FunctionFormatter`):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -80,7 +81,6 @@ _INERT_FIELDS: dict[str, Any] = {
     "num_beams": 1,
     "max_length": 1024,
     "length_penalty": 1.0,
-    "tool_format": None,
     "finetuning_type": "lora",
     "cutoff_len": 2048,
 }
@@ -250,8 +250,15 @@ class EngineConfig(BaseModel):
         "base model without adapters is `<model_id>:base`."
     )
     template: str | None = Field(
-        None, description="Chat template: unset = the tokenizer's own; a Jinja file path or inline Jinja; a "
-        "LLaMA-Factory template name selects the tokenizer's own template."
+        None, description="LLaMA-Factory's template name (all 121 of LLaMA-Factory 0.9.5, rendered as it renders "
+        "them, stop words included). Unset: the tokenizer's chat template read as LLaMA-Factory reads it, or "
+        "its `empty` template when the tokenizer has none; a vision-language model uses its processor's chat "
+        "template. lmserve extensions: `tokenizer` applies the tokenizer's Jinja template as it is (vLLM's "
+        "behaviour); a Jinja file path or inline Jinja."
+    )
+    tool_format: str | None = Field(
+        None, description="Overrides the template's tool format (LLaMA-Factory's `tool_format`: `default`, "
+        "`qwen`, `llama3`, `mistral`, `glm4`, ...)."
     )
     infer_backend: InferBackend = Field(
         "huggingface", description="The engine: `huggingface` (transformers, in the replica), `vllm`, `sglang` "
@@ -268,8 +275,8 @@ class EngineConfig(BaseModel):
     default_system: str | None = Field(None, description="System prompt used when none is given.")
     enable_thinking: bool | None = Field(True, description="Passed to chat templates that read it (Qwen3-style "
                                          "reasoning models), as LLaMA-Factory does.")
-    preserve_thinking: bool = Field(False, description="LLaMA-Factory's field; accepted. lmserve renders earlier "
-                                    "turns as the chat template does.")
+    preserve_thinking: bool = Field(False, description="Reasoning templates keep the thoughts of earlier "
+                                    "assistant turns in the prompt (LLaMA-Factory removes them by default).")
 
     # lmserve: continuous batching on the huggingface backend (LLaMA-Factory serves one at a time).
     hf: HuggingfaceArgs = Field(default_factory=HuggingfaceArgs, description="huggingface backend: `hf_*`.")
@@ -360,6 +367,28 @@ class EngineConfig(BaseModel):
                 raise ValueError("adapter_name_or_path: LoRA adapters are not served by the ktransformers "
                                  "backend (not verified with kt-kernel); use infer_backend: sglang")
         return self
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:
+        from engines.chat_templates import TOKENIZER_TEMPLATE, get_template, is_template_name
+
+        if value is None or value == TOKENIZER_TEMPLATE:
+            return value
+        if is_template_name(value):
+            get_template(value)  # TemplateError (a ValueError) naming the closest known names
+        elif "{%" not in value and "{{" not in value and not Path(value).expanduser().is_file():
+            raise ValueError(f"no Jinja template file {value!r}")
+        return value
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_tool_format(cls, value: str | None) -> str | None:
+        from engines.tool_formats import get_tool_format
+
+        if value is not None:
+            get_tool_format(value)  # ValueError naming the known formats
+        return value
 
     @field_validator("model_name_or_path")
     @classmethod

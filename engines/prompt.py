@@ -3,25 +3,33 @@
 Every backend receives the ids rendered here, so identical requests give byte-identical prompts
 on every backend and greedy outputs can be compared across them.
 
-Chat templates come from the tokenizer (`tokenizer.chat_template`, the Hugging Face convention
-vLLM and SGLang follow too). `template` in the config may override it with a Jinja file path or
-an inline Jinja string; a LLaMA-Factory template *name* (e.g. `llama3`, `qwen`) selects the
-tokenizer's own template, which is what those names describe for the models they belong to.
+Chat prompts are rendered as LLaMA-Factory renders them (`engines/chat_templates.py`): with the
+LLaMA-Factory template the config names, or, with `template` unset, the tokenizer's chat
+template read into LLaMA-Factory's slots (`parse_template`; the `empty` template when the
+tokenizer has none). The template's stop words become stop token ids for every request
+(`PromptRenderer.with_stop_token_ids`). OpenAI messages are mapped as LLaMA-Factory's API maps
+them: a leading system message is the system prompt, assistant tool calls a `function` turn,
+`tool` results an `observation` turn.
 
+lmserve extensions render with Jinja instead: `template: tokenizer` (the tokenizer's Jinja
+template as it is, as vLLM and SGLang apply it), a Jinja file path or inline Jinja.
 Vision-language models (a config with a `vision_config` and a processor with an image
-processor) are rendered with the processor's chat template, content kept as a list of parts
-(the shape transformers' multimodal templates expect); `render_chat_with_images` then expands
-each image placeholder to the model's number of image tokens with the processor, as
-transformers' `ProcessorMixin.apply_chat_template` does.
+processor) and `template` unset are rendered with the processor's chat template, content kept as
+a list of parts (the shape transformers' multimodal templates expect); `render_chat_with_images`
+then expands each image placeholder to the model's number of image tokens with the processor,
+as transformers' `ProcessorMixin.apply_chat_template` does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from engines.base import MediaInput
+from engines.base import MediaInput, SamplingParams
+from engines.chat_templates import TOKENIZER_TEMPLATE, ChatTemplate, TemplateError, get_template, parse_template
 from engines.errors import ServingError
 from engines.media import fit_pixels
 
@@ -31,31 +39,86 @@ SYSTEM_ROLES = ("system", "developer")
 
 
 class PromptRenderer:
-    """Turns OpenAI-style messages into prompt token ids with a chat template.
+    """Turns OpenAI-style messages into prompt token ids with a LLaMA-Factory template (or Jinja).
 
     Args:
-        tokenizer: a transformers tokenizer.
-        template: None (tokenizer's template), a Jinja file path, inline Jinja, or a
-            LLaMA-Factory template name (uses the tokenizer's template).
-        default_system: system prompt inserted when the messages have none (LLaMA-Factory's
+        tokenizer: a transformers tokenizer. With a LLaMA-Factory template it is fixed in place
+            as LLaMA-Factory fixes it (eos replaced under `replace_eos`, stop words added as
+            special tokens), so that prompts tokenize as they did in training.
+        template: None (the tokenizer's chat template, read as LLaMA-Factory reads it; a
+            vision-language model's processor template), a LLaMA-Factory template name,
+            `tokenizer` (the tokenizer's Jinja template as it is), a Jinja file path or inline Jinja.
+        default_system: overrides the template's default system prompt (LLaMA-Factory's
             `default_system`).
-        enable_thinking: passed to templates that read it (Qwen3-style), as LLaMA-Factory does.
+        enable_thinking, preserve_thinking: LLaMA-Factory's reasoning-template options; with
+            Jinja, `enable_thinking` is passed to templates that read it (Qwen3-style).
+        tool_format: overrides the template's tool format (LLaMA-Factory's `tool_format`).
         processor: a transformers processor with an `image_processor` (vision-language models
             only); its chat template is the default template.
         image_max_pixels, image_min_pixels: LLaMA-Factory's bounds on an image's width x height,
             applied before the processor (`engines.media.fit_pixels`).
+
+    Raises:
+        TemplateError: an unknown template or tool format, or a template whose prompts need
+            tokens this tokenizer does not have (LLaMA-Factory adds them as new, untrained
+            tokens: the model would read embeddings it never learnt, or index past them).
     """
 
     def __init__(self, tokenizer: Any, template: str | None = None, default_system: str | None = None,
                  enable_thinking: bool | None = True, processor: Any = None,
-                 image_max_pixels: int = 768 * 768, image_min_pixels: int = 32 * 32):
+                 image_max_pixels: int = 768 * 768, image_min_pixels: int = 32 * 32,
+                 preserve_thinking: bool = False, tool_format: str | None = None):
         self.tokenizer = tokenizer
         self.default_system = default_system
         self.enable_thinking = enable_thinking
         self.processor = processor
         self.image_max_pixels = image_max_pixels
         self.image_min_pixels = image_min_pixels
-        self.chat_template = self._pick_template(template)
+        self.chat_template: str | None = None  # Jinja
+        self.template: ChatTemplate | None = None  # LLaMA-Factory's
+        self.stop_token_ids: list[int] = []
+        self._vocab_size = len(tokenizer)  # ids from here on were added by the template, untrained
+        self._variants: dict[bool | None, ChatTemplate] = {}
+        if template is None and processor is not None:
+            self.chat_template = getattr(processor, "chat_template", None) or tokenizer.chat_template
+        elif template == TOKENIZER_TEMPLATE:
+            self.chat_template = tokenizer.chat_template
+        elif template is not None and ("{%" in template or "{{" in template):
+            self.chat_template = template
+        elif template is not None and Path(template).expanduser().is_file():
+            self.chat_template = Path(template).expanduser().read_text()
+        else:
+            self._use_template(template, default_system, enable_thinking, preserve_thinking, tool_format)
+
+    def _use_template(self, name: str | None, default_system: str | None, enable_thinking: bool | None,
+                      preserve_thinking: bool, tool_format: str | None) -> None:
+        base = get_template(name) if name is not None else parse_template(self.tokenizer)
+        options = {"tool_format": tool_format, "default_system": default_system,
+                   "preserve_thinking": preserve_thinking}
+        self.template = base.with_options(enable_thinking=enable_thinking, **options)
+        self.template.fix_tokenizer(self.tokenizer)
+        own_eos = {self.tokenizer.eos_token_id} if self.template.stop_words else set()
+        self.stop_token_ids = [i for i in self.template.stop_token_ids(self.tokenizer)
+                               if i < self._vocab_size and i not in own_eos]
+        if base.is_reasoning:  # a request's chat_template_kwargs may switch thinking
+            self._variants = {flag: base.with_options(enable_thinking=flag, **options) for flag in (True, False)}
+        untrained = self._untrained(self.template.encode_prompt(self.tokenizer, [{"role": "user", "content": "Hi"}]))
+        if untrained:
+            raise TemplateError(
+                f"template {self.template.name!r} renders tokens this model's tokenizer does not have "
+                f"({', '.join(untrained)}); LLaMA-Factory would add them as new, untrained tokens. Use the "
+                "template the model was trained with")
+
+    def _untrained(self, ids: list[int]) -> list[str]:
+        return sorted({self.tokenizer.convert_ids_to_tokens(i) for i in ids if i >= self._vocab_size})
+
+    def with_stop_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the template's stop token ids added (LLaMA-Factory's
+        `get_stop_token_ids`, less the tokenizer's own eos, which every engine stops on)."""
+        extra = [i for i in self.stop_token_ids if i not in params.stop_token_ids]
+        if not extra:
+            return params
+        return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
 
     @property
     def accepts_images(self) -> bool:
@@ -66,7 +129,8 @@ class PromptRenderer:
     def from_pretrained(cls, model_dir: str | Path, *, template: str | None = None,
                         default_system: str | None = None, enable_thinking: bool | None = True,
                         trust_remote_code: bool = False, image_max_pixels: int = 768 * 768,
-                        image_min_pixels: int = 32 * 32) -> "PromptRenderer":
+                        image_min_pixels: int = 32 * 32, preserve_thinking: bool = False,
+                        tool_format: str | None = None) -> "PromptRenderer":
         """Load the tokenizer (and, for a vision-language model, its processor) from `model_dir`
         and build a renderer."""
         from transformers import AutoTokenizer
@@ -75,19 +139,17 @@ class PromptRenderer:
         tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
             str(model_dir), trust_remote_code=trust_remote_code)
         return cls(tokenizer, template, default_system, enable_thinking, processor=processor,
-                   image_max_pixels=image_max_pixels, image_min_pixels=image_min_pixels)
+                   image_max_pixels=image_max_pixels, image_min_pixels=image_min_pixels,
+                   preserve_thinking=preserve_thinking, tool_format=tool_format)
 
-    def _pick_template(self, template: str | None) -> str | None:
-        if template is None:
-            own = getattr(self.processor, "chat_template", None)
-            return own or self.tokenizer.chat_template
-        if "{%" in template or "{{" in template:
-            return template
-        path = Path(template).expanduser()
-        if path.is_file():
-            return path.read_text()
-        logger.info("template %r: using the tokenizer's own chat template", template)
-        return self.tokenizer.chat_template
+    @classmethod
+    def for_config(cls, model_dir: str | Path, config: Any) -> "PromptRenderer":
+        """`from_pretrained` with the rendering fields of an `EngineConfig`."""
+        return cls.from_pretrained(
+            model_dir, template=config.template, default_system=config.default_system,
+            enable_thinking=config.enable_thinking, trust_remote_code=config.trust_remote_code,
+            image_max_pixels=config.image_max_pixels, image_min_pixels=config.image_min_pixels,
+            preserve_thinking=config.preserve_thinking, tool_format=config.tool_format)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
@@ -101,8 +163,41 @@ class PromptRenderer:
             ServingError(INVALID_REQUEST): no messages, or content the template cannot take.
             ServingError(NOT_SUPPORTED): non-text content parts (images: use `render_chat_with_images`).
         """
+        if self.template is not None:
+            return self._render_with_template(messages, tools, add_generation_prompt, template_kwargs)
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=0)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _render_with_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                              add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> list[int]:
+        """The LLaMA-Factory template's prompt ids: messages mapped as its API maps them."""
+        if not messages:
+            raise ServingError.invalid_request("messages must not be empty", param="messages")
+        unknown = sorted(set(template_kwargs) - {"enable_thinking"})
+        if unknown:
+            raise ServingError.invalid_request(
+                f"chat_template_kwargs: {', '.join(unknown)} not taken by LLaMA-Factory template "
+                f"{self.template.name!r} (it takes enable_thinking)", param="chat_template_kwargs")
+        if not add_generation_prompt:
+            raise ServingError.invalid_request(
+                f"LLaMA-Factory template {self.template.name!r} always ends the prompt with the assistant's "
+                "turn (add_generation_prompt: false is not supported)", param="add_generation_prompt")
+        template = self.template
+        if "enable_thinking" in template_kwargs and self._variants:
+            template = self._variants[bool(template_kwargs["enable_thinking"])]
+        system, turns = to_llamafactory_messages(messages)
+        tools_text = (json.dumps([tool.get("function", tool) for tool in tools], ensure_ascii=False)
+                      if tools else None)
+        try:
+            ids = template.encode_prompt(self.tokenizer, turns, system, tools_text)
+        except TemplateError as exc:
+            raise ServingError.invalid_request(str(exc), param=exc.param) from exc
+        untrained = self._untrained(ids)
+        if untrained:
+            raise ServingError.invalid_request(
+                f"the prompt contains tokens the model never learnt ({', '.join(untrained)}: stop words "
+                f"that template {template.name!r} added to the tokenizer)", param="messages")
+        return ids
 
     def render_chat_with_images(self, messages: list[dict[str, Any]], images: list[Any],
                                 tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
@@ -122,6 +217,10 @@ class PromptRenderer:
         """
         if not self.accepts_images:
             raise ServingError.not_supported("this model does not accept images", param="messages")
+        if self.template is not None:
+            raise ServingError.not_supported(
+                f"images with LLaMA-Factory template {self.template.name!r} are not served; unset `template` to "
+                "render with the processor's chat template", param="messages")
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=len(images))
         fitted = [fit_pixels(image, self.image_max_pixels, self.image_min_pixels) for image in images]
         try:
@@ -173,7 +272,13 @@ class PromptRenderer:
                 raise ServingError.invalid_request(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
                                                    param="prompt")
             return list(prompt)
-        return self.tokenizer.encode(prompt)
+        ids = self.tokenizer.encode(prompt)
+        untrained = self._untrained(ids)
+        if untrained:
+            raise ServingError.invalid_request(
+                f"the prompt contains tokens the model never learnt ({', '.join(untrained)}: stop words "
+                f"that the chat template added to the tokenizer)", param="prompt")
+        return ids
 
     @staticmethod
     def _normalise(index: int, message: dict[str, Any], as_parts: bool = False) -> dict[str, Any]:
@@ -208,6 +313,64 @@ class PromptRenderer:
         return out
 
 
+def to_llamafactory_messages(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, str]]]:
+    """OpenAI messages -> (system prompt, LLaMA-Factory turns), as LLaMA-Factory's API maps them
+    (`api/chat.py` `_process_request`): a leading `system`/`developer` message is the system
+    prompt; `user` stays `user`; an assistant message with `tool_calls` becomes a `function`
+    turn whose content is the calls as JSON; `tool` becomes `observation`.
+
+    Unlike LLaMA-Factory's API, a call's `arguments` (JSON text in OpenAI's API) are parsed to
+    the object LLaMA-Factory's training data holds, instead of being encoded twice; and the
+    roles need not alternate (its templates render any order).
+
+    Raises:
+        ServingError(INVALID_REQUEST): a system message after the first, an unknown role.
+        ServingError(NOT_SUPPORTED): a content part other than text.
+    """
+    system = None
+    turns = []
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        content = _text_content(index, message)
+        if role in SYSTEM_ROLES:
+            if index != 0:
+                raise ServingError.invalid_request(
+                    f"messages[{index}]: LLaMA-Factory templates take a system message only as the first message",
+                    param=f"messages[{index}].role")
+            system = content
+        elif role == "user":
+            turns.append({"role": "user", "content": content})
+        elif role == "assistant" and message.get("tool_calls"):
+            calls = [{"name": (call.get("function") or {}).get("name"),
+                      "arguments": _with_parsed_arguments(call)["function"].get("arguments")}
+                     for call in message["tool_calls"]]
+            turns.append({"role": "function", "content": json.dumps(calls, ensure_ascii=False)})
+        elif role == "assistant":
+            turns.append({"role": "assistant", "content": content})
+        elif role == "tool":
+            turns.append({"role": "observation", "content": content})
+        else:
+            raise ServingError.invalid_request(f"messages[{index}]: role {role!r} is not supported",
+                                               param=f"messages[{index}].role")
+    return system, turns
+
+
+def _text_content(index: int, message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ServingError.not_supported(
+                f"messages[{index}].content: content part type {part.get('type')!r} is not supported with "
+                "LLaMA-Factory templates (text only)", param=f"messages[{index}].content")
+        texts.append(part.get("text", ""))
+    return "".join(texts)
+
+
 def load_image_processor(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
     """The transformers processor of a vision-language model in `model_dir`, or None for a
     text-only model (its config has no `vision_config`, or its processor no image processor).
@@ -226,8 +389,6 @@ def load_image_processor(model_dir: str | Path, trust_remote_code: bool = False)
 
 
 def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    import json
-
     function = dict(call.get("function") or {})
     if isinstance(function.get("arguments"), str):
         try:

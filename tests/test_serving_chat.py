@@ -141,8 +141,8 @@ def test_a_hermes_tool_call_becomes_tool_calls(tiny_model_dir):
     call = ["<tool_call>", '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "</tool_call>"]
     engine = FakeEngine(Reply([call]))
 
-    async def main():
-        async with serve_fake(engine, tiny_model_dir) as http:
+    async def main():  # the tokenizer's own Jinja template (as vLLM applies it) teaches Hermes calls
+        async with serve_fake(engine, tiny_model_dir, config={"template": "tokenizer"}) as http:
             client = openai_client(http)
             full = await client.chat.completions.create(model="fake", messages=QUESTION, tools=[WEATHER_TOOL])
             stream = await client.chat.completions.create(model="fake", messages=QUESTION, tools=[WEATHER_TOOL],
