@@ -448,3 +448,24 @@ def test_overrides_may_follow_options(tmp_path, lf_config):
     assert "unknown field 'temprature'" in proc.stderr and "unrecognized arguments" not in proc.stderr
     proc = subprocess.run(LMSERVE + ["check", str(lf_config), "max_new_tokens=8", "-h"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: lmserve check" in proc.stdout
+
+
+def test_the_replicas_own_error_is_taken_from_ray_serves_deployment_message():
+    """Ray Serve's DEPLOY_FAILED message (Ray 2.60, as `serve.status()` gives it) wraps the
+    replica's traceback; the last exception, with the lines of a message that spans several, is
+    the cause `lmserve api`/`serve` print."""
+    from deployments.startup import replica_error
+
+    message = (
+        "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor "
+        "or initial health check failing. See controller logs for details. Error:\n"
+        "\x1b[36mray::ServeReplica:lmserve:ModelServer:m.initialize_and_get_metadata()\x1b[39m (pid=1, ip=10.0.0.5)\n"
+        '  File "/ray/serve/_private/replica.py", line 1928, in initialize\n'
+        "    raise RuntimeError(traceback.format_exc()) from None\n"
+        "RuntimeError: Traceback (most recent call last):\n"
+        '  File "/lmserve/engines/huggingface.py", line 125, in start\n'
+        "engines.errors.ModelLoadError: could not load model from '/m': ValueError: bad field:\n"
+        "    TypeError: expected int\n")
+    assert replica_error(message) == ("ModelLoadError: could not load model from '/m': ValueError: bad field: "
+                                      "TypeError: expected int")
+    assert replica_error("Failed to update the deployments ['X'].") == "Failed to update the deployments ['X']."
