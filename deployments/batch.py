@@ -41,6 +41,11 @@ class DatasetError(ValueError):
     file and, where known, the line."""
 
 
+class WorkerStartError(RuntimeError):
+    """An engine actor failed to start (its model did not load); the message is the actor's own
+    exception, on one line."""
+
+
 def read_dataset(path: str) -> list[dict[str, Any]]:
     """Read a JSON list or JSONL file into examples `{"messages": [...], "label": str}`.
 
@@ -247,6 +252,7 @@ def run_batch(config: EngineConfig, dataset: str, output: str, *, resume: bool =
             file for it (see `resume_output`).
         FileExistsError: `output` exists and neither `resume` nor `overwrite` was given.
         ValueError: `num_workers` or `batch_size` below 1.
+        WorkerStartError: an engine actor raised while starting (e.g. its model did not load).
     """
     import pandas as pd
     import ray
@@ -302,6 +308,12 @@ def run_batch(config: EngineConfig, dataset: str, output: str, *, resume: bool =
                 written += 1
         # a worker's last report may trail its batch's output by a moment
         per_worker = sorted(ray.get(progress.wait.remote(written - 1, 5.0)).values(), reverse=True)
+    except ray.exceptions.RayActorError as exc:
+        if not exc.actor_init_failed:
+            raise
+        from deployments.startup import replica_error
+
+        raise WorkerStartError(f"an engine worker failed to start: {replica_error(str(exc))}") from None
     finally:
         stop.set()
         follower.join()
@@ -313,5 +325,5 @@ def run_batch(config: EngineConfig, dataset: str, output: str, *, resume: bool =
     return written
 
 
-__all__ = ["ConfigError", "DatasetError", "EngineWorker", "RowProgress", "plan_batches", "read_dataset",
-           "resume_output", "run_batch"]
+__all__ = ["ConfigError", "DatasetError", "EngineWorker", "RowProgress", "WorkerStartError", "plan_batches",
+           "read_dataset", "resume_output", "run_batch"]

@@ -133,7 +133,7 @@ async def _chat_loop(config) -> int:
 
 def _batch(args: argparse.Namespace) -> int:
     """Offline generation over a dataset on Ray Data (like LLaMA-Factory's vllm_infer.py)."""
-    from deployments.batch import DatasetError, run_batch
+    from deployments.batch import DatasetError, WorkerStartError, run_batch
 
     config = load_config_file(args.config, args.overrides)
     try:
@@ -143,6 +143,9 @@ def _batch(args: argparse.Namespace) -> int:
     except (DatasetError, FileExistsError) as exc:
         print(f"lmserve batch: {exc}", file=sys.stderr)
         return 2
+    except WorkerStartError as exc:
+        print(f"lmserve batch: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

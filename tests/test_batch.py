@@ -154,3 +154,18 @@ def test_batch_generates_spreads_resumes_and_refuses(tmp_path, model_dir):
     resumed = subprocess.run(cmd + ["--resume"], check=True, capture_output=True, text=True, timeout=600)
     assert "dropped an incomplete last line" in resumed.stderr and "1 already in" in resumed.stderr
     assert [json.loads(line) for line in out.read_text().splitlines()] == lines
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_load_its_model_ends_the_run_with_its_error(tmp_path):
+    model_dir = write_tiny_model_dir(tmp_path / "model")  # a config and a tokenizer, no weights
+    data, config = tmp_path / "data.json", tmp_path / "infer.yaml"
+    data.write_text(json.dumps(ALPACA))
+    config.write_text(f"model_name_or_path: {model_dir}\n")
+    run = subprocess.run(LMSERVE + ["batch", str(config), "--dataset", str(data), "--output",
+                                    str(tmp_path / "out.jsonl"), "--num-cpus", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("lmserve batch: an engine worker failed to start: "), last
+    assert "ModelLoadError: could not load model" in last and "ActorDiedError" not in last
