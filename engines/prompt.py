@@ -186,6 +186,10 @@ class PromptRenderer:
         if "enable_thinking" in template_kwargs and self._variants:
             template = self._variants[bool(template_kwargs["enable_thinking"])]
         system, turns = to_llamafactory_messages(messages)
+        if not turns or turns[-1]["role"] not in ("user", "observation"):
+            raise ServingError.invalid_request(
+                f"with LLaMA-Factory template {template.name!r} the last message must be from the user or a tool "
+                "(the template renders the assistant's turn after it)", param="messages")
         tools_text = (json.dumps([tool.get("function", tool) for tool in tools], ensure_ascii=False)
                       if tools else None)
         try:

@@ -86,6 +86,8 @@ def test_a_tool_call_in_history_renders_as_a_function_turn(tiny_model_dir):
 @pytest.mark.parametrize("messages, param", [
     ([*QUESTION, {"role": "system", "content": "late"}], "messages[1].role"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}], "messages"),
+    ([*QUESTION, {"role": "assistant", "content": "The capital"}], "messages"),
+    ([{"role": "system", "content": "Be brief."}], "messages"),
 ])
 def test_what_a_template_cannot_render_is_a_400(tiny_model_dir, messages, param):
     error = served(FakeEngine(Reply([["x"]])), tiny_model_dir, {"template": "qwen"}, messages=messages)
