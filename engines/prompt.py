@@ -96,10 +96,10 @@ class PromptRenderer:
         options = {"tool_format": tool_format, "default_system": default_system,
                    "preserve_thinking": preserve_thinking}
         self.template = base.with_options(enable_thinking=enable_thinking, **options)
+        model_eos = self.tokenizer.eos_token_id  # every engine stops on it already
         self.template.fix_tokenizer(self.tokenizer)
-        own_eos = {self.tokenizer.eos_token_id} if self.template.stop_words else set()
         self.stop_token_ids = [i for i in self.template.stop_token_ids(self.tokenizer)
-                               if i < self._vocab_size and i not in own_eos]
+                               if i < self._vocab_size and i != model_eos]
         if base.is_reasoning:  # a request's chat_template_kwargs may switch thinking
             self._variants = {flag: base.with_options(enable_thinking=flag, **options) for flag in (True, False)}
         untrained = self._untrained(self.template.encode_prompt(self.tokenizer, [{"role": "user", "content": "Hi"}]))

@@ -55,6 +55,12 @@ def test_the_templates_stop_words_reach_the_engine(tiny_model_dir):
     assert engine.requests[0].sampling_params.stop_token_ids == [65, start]
 
 
+def test_a_template_without_stop_words_adds_no_stop_ids(tiny_model_dir):
+    engine = FakeEngine(Reply([["Paris"]]))
+    served(engine, tiny_model_dir, {"template": "alpaca"}, messages=QUESTION)
+    assert engine.requests[0].sampling_params.stop_token_ids == []  # the eos stops it, as before
+
+
 def test_default_system_overrides_the_templates(tiny_model_dir):
     engine = FakeEngine(Reply([["Paris"]]))
     served(engine, tiny_model_dir, {"template": "alpaca", "default_system": "Answer tersely.\n"}, messages=QUESTION)
