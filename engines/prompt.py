@@ -112,6 +112,15 @@ class PromptRenderer:
     def _untrained(self, ids: list[int]) -> list[str]:
         return sorted({self.tokenizer.convert_ids_to_tokens(i) for i in ids if i >= self._vocab_size})
 
+    def _refuse_untrained(self, ids: list[int], param: str) -> None:
+        """400 for a prompt holding a stop word that the template added to the tokenizer (the
+        text asked for it, e.g. a user typing `<|eot_id|>`): the model has no embedding for it."""
+        untrained = self._untrained(ids)
+        if untrained:
+            raise ServingError.invalid_request(
+                f"the prompt contains tokens the model never learnt ({', '.join(untrained)}: stop words that "
+                f"template {self.template.name!r} added to the tokenizer)", param=param)
+
     def with_stop_token_ids(self, params: SamplingParams) -> SamplingParams:
         """`params` with the template's stop token ids added (LLaMA-Factory's
         `get_stop_token_ids`, less the tokenizer's own eos, which every engine stops on)."""
@@ -196,11 +205,7 @@ class PromptRenderer:
             ids = template.encode_prompt(self.tokenizer, turns, system, tools_text)
         except TemplateError as exc:
             raise ServingError.invalid_request(str(exc), param=exc.param) from exc
-        untrained = self._untrained(ids)
-        if untrained:
-            raise ServingError.invalid_request(
-                f"the prompt contains tokens the model never learnt ({', '.join(untrained)}: stop words "
-                f"that template {template.name!r} added to the tokenizer)", param="messages")
+        self._refuse_untrained(ids, "messages")
         return ids
 
     def render_chat_with_images(self, messages: list[dict[str, Any]], images: list[Any],
@@ -277,11 +282,7 @@ class PromptRenderer:
                                                    param="prompt")
             return list(prompt)
         ids = self.tokenizer.encode(prompt)
-        untrained = self._untrained(ids)
-        if untrained:
-            raise ServingError.invalid_request(
-                f"the prompt contains tokens the model never learnt ({', '.join(untrained)}: stop words "
-                f"that the chat template added to the tokenizer)", param="prompt")
+        self._refuse_untrained(ids, "prompt")
         return ids
 
     @staticmethod

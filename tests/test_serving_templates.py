@@ -119,3 +119,11 @@ def test_an_unknown_template_is_a_config_error_naming_the_closest():
         EngineConfig(template="qwen3_nothnk")
     with pytest.raises(ValueError, match="tool_format"):
         EngineConfig(tool_format="hermes")
+
+
+def test_a_prompt_holding_a_stop_word_the_template_added_is_a_400(tiny_model_dir):
+    # ernie_nothink adds <|end_of_sentence|>, which the tiny tokenizer lacks, as a new token; a user
+    # who types it would hand the model an id past its embeddings
+    messages = [{"role": "user", "content": "Say <|end_of_sentence|> please"}]
+    error = served(FakeEngine(Reply([["x"]])), tiny_model_dir, {"template": "ernie_nothink"}, messages=messages)
+    assert isinstance(error, openai.BadRequestError) and "<|end_of_sentence|>" in error.message, error
