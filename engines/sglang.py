@@ -50,6 +50,7 @@ from engines.base import (
 )
 from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.errors import ModelLoadError, ServingError
+from engines.lora import check_adapters_fit
 from engines.model_source import model_config_json, model_max_len, resolve_model_path
 from engines.server_process import ServerProcess, free_port
 
@@ -375,6 +376,10 @@ class SGLangEngine(Engine):
                 `sglang_start_timeout_s`.
         """
         self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
+        try:  # before the server starts: an adapter of another base model is named at once
+            await asyncio.to_thread(check_adapters_fit, self.model_path, self.config)
+        except ConfigError as exc:
+            raise ModelLoadError(str(exc)) from None
         max_len = context_length(self.config, self.model_path)
         self._vocab_size = model_config_json(self.model_path).get("vocab_size")
         port, api_key = free_port(HOST), secrets.token_urlsafe(24)

@@ -36,6 +36,7 @@ from engines.base import (
 )
 from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.errors import ModelLoadError, ServingError
+from engines.lora import check_adapters_fit
 from engines.model_source import model_max_len, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -218,6 +219,10 @@ class VLLMEngine(Engine):
 
     async def start(self) -> None:
         self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
+        try:  # before vLLM loads anything: an adapter of another base model is named at once
+            await asyncio.to_thread(check_adapters_fit, self.model_path, self.config)
+        except ConfigError as exc:
+            raise ModelLoadError(str(exc)) from None
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.lora.request import LoRARequest

@@ -227,8 +227,10 @@ def metrics_url(serve_url, metrics_port) -> str:
 
 
 @pytest.fixture(scope="session")
-def serve_url(model_dir, lora_dir, metrics_port):
+def serve_url(model_dir, metrics_port):
     """A local Ray cluster with the lmserve app (default model, API key required) deployed.
+    The model has no adapter: with one, its model ID would answer with the adapter applied
+    (`tuned_client` in test_e2e.py serves one).
 
     Yields the base URL, e.g. http://127.0.0.1:PORT. Ray's Prometheus endpoint is on
     `metrics_port`. The model deployment autoscales between 1 and 1 replica: the autoscaler
@@ -248,7 +250,7 @@ def serve_url(model_dir, lora_dir, metrics_port):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({
-        "models": [{"model_id": "smollm2", "model_name_or_path": "smollm2", "adapter_name_or_path": str(lora_dir),
+        "models": [{"model_id": "smollm2", "model_name_or_path": "smollm2",
                     "deployment": {"ray_actor_options": {"num_cpus": 1},
                                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}}],
         "api_keys": [TEST_API_KEY],

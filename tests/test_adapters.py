@@ -194,6 +194,38 @@ def test_an_adapter_of_another_base_model_is_refused_at_start(tiny, tmp_path, ot
         run(engine.start())
 
 
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+@pytest.mark.parametrize("other", [pytest.param({"layers": 3}, id="deeper-model"),
+                                   pytest.param({"hidden": 32}, id="other-shapes")])
+def test_vllm_and_sglang_refuse_an_adapter_of_another_base_model_before_loading(tiny, tmp_path, backend, other):
+    """The safetensors headers tell (engines/lora.py): the start fails before vLLM loads or the
+    SGLang server is launched, naming `adapter_name_or_path`."""
+    from engines import create_engine
+
+    foreign = make_lora(tiny_llama(layers=other.get("layers", 2), hidden=other.get("hidden", 64)),
+                        tmp_path / "foreign", seed=3, r=4, target_modules=["q_proj", "v_proj"])
+    fits = tiny.sft
+    engine = create_engine(EngineConfig(infer_backend=backend, model_name_or_path=str(tiny.base),
+                                        adapter_name_or_path=f"{fits},{foreign}"))
+    with pytest.raises(ModelLoadError, match=r"^adapter_name_or_path: .*foreign.*another base model"):
+        run(engine.start())
+
+
+def test_the_header_check_passes_adapters_of_the_model_and_what_it_cannot_read(tiny, tmp_path):
+    from engines.lora import check_adapter_fits
+
+    for adapter in (tiny.sft, tiny.dpo, str(tmp_path / "no-such-adapter")):
+        check_adapter_fits(tiny.base, adapter)
+    renamed = tmp_path / "renamed"  # names the checkpoint does not use: nothing to compare
+    shutil.copytree(tiny.sft, renamed)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(renamed / "adapter_model.safetensors")
+    save_file({k.replace("model.layers", "language_model.layers"): v for k, v in tensors.items()},
+              renamed / "adapter_model.safetensors")
+    check_adapter_fits(tiny.base, str(renamed))
+
+
 def test_adapters_that_train_whole_modules_are_not_combined(tiny, tmp_path):
     """`modules_to_save` replaces a module; two adapters cannot both be applied per request,
     so the start fails rather than serving a model that is not LLaMA-Factory's merge."""

@@ -13,21 +13,44 @@ pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_models_lists_the_configured_model_and_its_adapter(client):
-    assert [m.id for m in client.models.list().data] == ["smollm2", "smollm2:sft-lora"]
-    assert client.models.retrieve("smollm2:sft-lora").parent == "smollm2"
+@pytest.fixture(scope="module")
+def tuned_client(serve_url, lora_dir):
+    """An application of its own (two hops) at /tuned: model `tuned`, the default model with the
+    session's LoRA adapter `sft-lora`, as a LLaMA-Factory YAML with `adapter_name_or_path` has it."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    app = build_app({"direct_streaming": False, "api_keys": [TEST_API_KEY], "models": [{
+        "model_id": "tuned", "model_name_or_path": "smollm2", "adapter_name_or_path": str(lora_dir),
+        "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}}]})
+    serve.run(app, name="tuned", route_prefix="/tuned")
+    try:
+        yield openai.OpenAI(base_url=serve_url + "/tuned/v1", api_key=TEST_API_KEY, max_retries=0, timeout=300)
+    finally:
+        serve.delete("tuned")
 
 
-def test_lora_adapter_is_its_own_model_id(client):
-    def greedy(model):
-        resp = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
+def test_models_lists_the_model_its_adapter_and_its_base(tuned_client):
+    cards = {m.id: m for m in tuned_client.models.list().data}
+    assert list(cards) == ["tuned", "tuned:sft-lora", "tuned:base"]
+    assert [cards[m].parent for m in cards] == [None, "tuned", "tuned"]
+    assert tuned_client.models.retrieve("tuned:sft-lora").root.endswith("sft-lora")
+
+
+def test_the_model_id_answers_with_its_adapter_as_llamafactory(tuned_client, client):
+    """`llamafactory-cli api` with `adapter_name_or_path` answers with the adapter applied; so does
+    the configured model ID. The adapter alone and the base model have IDs of their own."""
+    def greedy(api, model):
+        resp = api.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=16)
         return resp.choices[0].message.content, resp.model
 
-    base, base_id = greedy("smollm2")
-    tuned, tuned_id = greedy("smollm2:sft-lora")
-    assert "Paris" in base and base_id == "smollm2"
-    assert tuned != base and tuned_id == "smollm2:sft-lora"
-    assert greedy("smollm2") == (base, base_id)  # the base model is unchanged by the adapter
+    base, base_id = greedy(tuned_client, "tuned:base")
+    tuned, tuned_id = greedy(tuned_client, "tuned")
+    assert "Paris" in base and base_id == "tuned:base"
+    assert base == greedy(client, "smollm2")[0]  # the same weights without the adapter
+    assert tuned != base and tuned_id == "tuned"
+    assert greedy(tuned_client, "tuned:sft-lora") == (tuned, "tuned:sft-lora")
 
 
 def test_chat_answers_paris(client):

@@ -10,6 +10,10 @@ pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MODELS = {"smollm2-hf": "huggingface", "smollm2-vllm": "vllm"}
+# Both models carry an adapter, so their IDs answer with it (as LLaMA-Factory's API); `:base` is
+# the model without it.
+BASES = {f"{model}:base": backend for model, backend in MODELS.items()}
+VLLM_BASE = "smollm2-vllm:base"
 
 
 @pytest.fixture(scope="module")
@@ -44,33 +48,33 @@ def backends_client(serve_url, lora_dir):
 
 def test_both_model_ids_are_listed(backends_client):
     assert sorted(m.id for m in backends_client.models.list().data) == sorted(
-        [*MODELS, *(f"{m}:sft-lora" for m in MODELS)])
+        [*MODELS, *BASES, *(f"{m}:sft-lora" for m in MODELS)])
 
 
 def test_each_id_reaches_its_backend_and_both_agree(backends_client):
     texts = {}
-    for model, backend in MODELS.items():
+    for model, backend in BASES.items():
         answered_by, resp = chat(backends_client, model, messages=QUESTION, temperature=0, max_tokens=32)
         assert answered_by == backend
         assert resp.model == model and resp.choices[0].finish_reason == "stop"
         texts[model] = resp.choices[0].message.content
-    assert "Paris" in texts["smollm2-vllm"]
-    assert texts["smollm2-vllm"] == texts["smollm2-hf"]  # one renderer, same prompt ids, same weights
+    assert "Paris" in texts[VLLM_BASE]
+    assert texts[VLLM_BASE] == texts["smollm2-hf:base"]  # one renderer, same prompt ids, same weights
 
 
 def test_vllm_streaming_matches_non_streaming(backends_client):
-    assert_stream_matches_full(backends_client, model="smollm2-vllm", temperature=0, max_tokens=40,
+    assert_stream_matches_full(backends_client, model=VLLM_BASE, temperature=0, max_tokens=40,
                                messages=[{"role": "user", "content": "Describe the sea in two sentences."}])
 
 
 def test_vllm_n_stop_and_completions(backends_client):
-    resp = backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, n=2, temperature=1.0,
+    resp = backends_client.chat.completions.create(model=VLLM_BASE, messages=QUESTION, n=2, temperature=1.0,
                                                    max_tokens=12, seed=5)
     assert [c.index for c in resp.choices] == [0, 1]
-    resp = backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, temperature=0,
+    resp = backends_client.chat.completions.create(model=VLLM_BASE, messages=QUESTION, temperature=0,
                                                    stop=["Paris"])
     assert "Paris" not in resp.choices[0].message.content and resp.choices[0].finish_reason == "stop"
-    resp = backends_client.completions.create(model="smollm2-vllm", prompt="The capital of France is",
+    resp = backends_client.completions.create(model=VLLM_BASE, prompt="The capital of France is",
                                               max_tokens=5, temperature=0)
     assert "Paris" in resp.choices[0].text
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 5
@@ -78,7 +82,7 @@ def test_vllm_n_stop_and_completions(backends_client):
 
 def test_vllm_context_length_error_is_400(backends_client):
     with pytest.raises(openai.BadRequestError) as info:
-        backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, max_tokens=100000)
+        backends_client.chat.completions.create(model=VLLM_BASE, messages=QUESTION, max_tokens=100000)
     assert info.value.body["param"] == "max_tokens"
 
 
@@ -87,28 +91,30 @@ def test_lora_adapter_through_the_api_on_both_backends(backends_client):
         backend, resp = chat(backends_client, model, messages=QUESTION, temperature=0, max_tokens=16)
         return backend, resp.choices[0].message.content
 
-    base = greedy("smollm2-vllm")
+    base = greedy(VLLM_BASE)
     tuned = {model: greedy(f"{model}:sft-lora") for model in MODELS}
     assert tuned["smollm2-vllm"][0] == "vllm" and tuned["smollm2-vllm"][1] != base[1]
     assert tuned["smollm2-vllm"][1] == tuned["smollm2-hf"][1]  # vLLM's LoRA kernels agree with peft
-    assert greedy("smollm2-vllm") == base  # the base model is unchanged by the adapter
+    # the model IDs answer with their adapter (vLLM: the first), as LLaMA-Factory's API does
+    assert {model: greedy(model) for model in MODELS} == tuned
+    assert greedy(VLLM_BASE) == base  # the base model is unchanged by the adapter
 
 
 def test_vllm_logprobs_agree_with_huggingface(backends_client):
     content = {}
-    for model in MODELS:
+    for model in BASES:
         resp = backends_client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=8,
                                                        logprobs=True, top_logprobs=3)
         content[model] = resp.choices[0].logprobs.content
         assert len(content[model]) == resp.usage.completion_tokens
-    for v, h in zip(content["smollm2-vllm"], content["smollm2-hf"]):
+    for v, h in zip(content[VLLM_BASE], content["smollm2-hf:base"]):
         assert v.token == h.token and len(v.top_logprobs) == 3
         assert v.top_logprobs[0].token == v.token  # greedy picks the most likely token
         assert abs(v.logprob - h.logprob) < 1e-3
-    chunks = list(backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, temperature=0,
+    chunks = list(backends_client.chat.completions.create(model=VLLM_BASE, messages=QUESTION, temperature=0,
                                                           max_tokens=8, logprobs=True, stream=True))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [t.token for t in streamed] == [t.token for t in content["smollm2-vllm"]]
+    assert [t.token for t in streamed] == [t.token for t in content[VLLM_BASE]]
 
 
 CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -122,19 +128,19 @@ def test_vllm_response_format_json_schema_and_json_object(backends_client):
 
     messages = [{"role": "user", "content": "Which city is the capital of France? Reply in JSON."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
-    backend, resp = chat(backends_client, "smollm2-vllm", messages=messages, temperature=0, max_tokens=60,
+    backend, resp = chat(backends_client, VLLM_BASE, messages=messages, temperature=0, max_tokens=60,
                          response_format=fmt)
     assert backend == "vllm" and resp.choices[0].finish_reason == "stop"
     answer = json.loads(resp.choices[0].message.content)
     jsonschema.validate(answer, CITY_SCHEMA)
-    chunks = list(backends_client.chat.completions.create(model="smollm2-vllm", messages=messages, temperature=0,
+    chunks = list(backends_client.chat.completions.create(model=VLLM_BASE, messages=messages, temperature=0,
                                                           max_tokens=60, response_format=fmt, stream=True))
     assert json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)) == answer
-    resp = backends_client.chat.completions.create(model="smollm2-vllm", messages=messages, temperature=0,
+    resp = backends_client.chat.completions.create(model=VLLM_BASE, messages=messages, temperature=0,
                                                    max_tokens=60, response_format={"type": "json_object"})
     assert isinstance(json.loads(resp.choices[0].message.content), dict)
     # the same weights without a constraint do not answer in this JSON
-    _, plain = chat(backends_client, "smollm2-vllm", messages=messages, temperature=0, max_tokens=60)
+    _, plain = chat(backends_client, VLLM_BASE, messages=messages, temperature=0, max_tokens=60)
     with pytest.raises((ValueError, jsonschema.ValidationError)):
         jsonschema.validate(json.loads(plain.choices[0].message.content), CITY_SCHEMA)
 
@@ -142,6 +148,6 @@ def test_vllm_response_format_json_schema_and_json_object(backends_client):
 def test_vllm_schema_it_cannot_compile_is_400(backends_client):
     schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}
     with pytest.raises(openai.BadRequestError) as info:
-        backends_client.chat.completions.create(model="smollm2-vllm", messages=QUESTION, max_tokens=8, response_format={
+        backends_client.chat.completions.create(model=VLLM_BASE, messages=QUESTION, max_tokens=8, response_format={
             "type": "json_schema", "json_schema": {"name": "broken", "schema": schema}})
     assert info.value.body["message"]

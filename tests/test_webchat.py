@@ -29,8 +29,9 @@ def page(serve_url, tmp_path_factory):
 def test_page_lists_models_after_the_key_is_entered(page):
     page.fill("#api-key", TEST_API_KEY)
     page.dispatch_event("#api-key", "change")
-    page.wait_for_function("document.querySelectorAll('#model option').length >= 2", timeout=30_000)
-    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == ["smollm2", "smollm2:sft-lora"]
+    page.wait_for_function("document.querySelectorAll('#model option').length >= 1", timeout=30_000)
+    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == ["smollm2"]
+    assert page.input_value("#model") == "smollm2"
 
 
 def finished_bubble(page, index: int, timeout_ms: int = 120_000):
@@ -71,3 +72,22 @@ def test_errors_are_shown(page):
     kind, text = finished_bubble(page, 0, timeout_ms=60_000)
     assert kind == "msg error", text
     assert "maximum context length" in text
+
+
+def test_the_picker_defaults_to_the_configured_model(page):
+    """A model with adapters is listed with its adapters alone and its base model (`parent`
+    set); wherever it stands in the list, the picker starts on the model ID itself, which
+    answers as LLaMA-Factory's web chat does (adapters applied)."""
+    models = {"object": "list", "data": [
+        {"id": "m:base", "object": "model", "owned_by": "lmserve", "parent": "m"},
+        {"id": "m", "object": "model", "owned_by": "lmserve", "parent": None},
+        {"id": "m:sft", "object": "model", "owned_by": "lmserve", "parent": "m"}]}
+    page.route("**/v1/models", lambda route: route.fulfill(json=models))
+    try:
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function("document.querySelectorAll('#model option').length == 3", timeout=30_000)
+        assert page.input_value("#model") == "m"
+    finally:
+        page.unroute("**/v1/models")
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function("document.querySelectorAll('#model option').length == 1", timeout=30_000)
