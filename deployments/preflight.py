@@ -246,7 +246,8 @@ def check_model_sources(model_id: str, config: EngineConfig) -> None:
     (`engines.model_source.resolve_model_path`): the embedded default model's alias always
     resolves (it is fetched on first use); a local path (absolute, `.`/`~`-relative, or existing
     here) must be a directory holding `config.json` (an adapter: `adapter_config.json`); any other
-    name is a Hugging Face hub ID, which must be in the local hub cache or found on the hub.
+    name is a Hugging Face hub ID, which must be in the local hub cache or found on the hub. A
+    local adapter of a local model must fit it (`engines.lora.check_adapters_fit`).
 
     A hub ID is checked as vLLM and LLaMA-Factory load it (transformers' `from_pretrained`): a
     name that is neither a local directory nor a repository the hub has fails, and so does one
@@ -263,6 +264,15 @@ def check_model_sources(model_id: str, config: EngineConfig) -> None:
         _check_source(model_id, "model_name_or_path", config.model_name_or_path, "config.json", "model")
     for path in config.adapters:
         _check_source(model_id, "adapter_name_or_path", path, "adapter_config.json", "LoRA adapter")
+    model_dir = Path(config.model_name_or_path).expanduser()
+    if config.adapters and model_dir.is_dir():  # an adapter of another base model
+        from engines.lora import check_adapters_fit
+
+        try:
+            check_adapters_fit(model_dir, config)
+        except ConfigError as exc:
+            raise ConfigError(f"model {model_id!r}: field 'adapter_name_or_path': "
+                              f"{str(exc).removeprefix('adapter_name_or_path: ')}") from None
 
 
 def _check_source(model_id: str, field_name: str, name: str, marker: str, what: str) -> None:

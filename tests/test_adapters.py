@@ -211,6 +211,18 @@ def test_vllm_and_sglang_refuse_an_adapter_of_another_base_model_before_loading(
         run(engine.start())
 
 
+def test_lmserve_check_names_an_adapter_of_another_base_model(tiny, tmp_path):
+    """`lmserve check` (and api/serve before Ray starts) runs the same header check."""
+    from deployments.preflight import check_model_sources
+    from engines.config import ConfigError
+
+    foreign = make_lora(tiny_llama(layers=3), tmp_path / "foreign", seed=3, r=4, target_modules=["q_proj"])
+    check_model_sources("m", EngineConfig(model_name_or_path=str(tiny.base), adapter_name_or_path=tiny.sft))
+    with pytest.raises(ConfigError, match=r"^model 'm': field 'adapter_name_or_path': LoRA adapter .*foreign.*"
+                                          r"has no module 'model.layers.2"):
+        check_model_sources("m", EngineConfig(model_name_or_path=str(tiny.base), adapter_name_or_path=foreign))
+
+
 def test_the_header_check_passes_adapters_of_the_model_and_what_it_cannot_read(tiny, tmp_path):
     from engines.lora import check_adapter_fits
 
