@@ -1,0 +1,72 @@
+"""`python -m bench.lab.lf_parity`: the YAML both servers get, how answers are compared and the
+table it prints (the run itself serves real models: a benchmark, not a test)."""
+
+import pytest
+import yaml
+
+from bench.lab.lf_parity import (PROMPTS, Answer, Run, compare_prompt_ids, inference_yaml, lf_conversations,
+                                 same_answer, table)
+from engines.config import load_config_file
+
+pytestmark = pytest.mark.bench  # a lab probe's test: run with --run-bench
+
+
+def test_the_yaml_is_llamafactorys_greedy_float32_inference_config(tmp_path):
+    model, adapter = tmp_path / "model", tmp_path / "lora"
+    config = inference_yaml(model, "alpaca", adapter)
+    assert config == {"model_name_or_path": str(model), "template": "alpaca", "adapter_name_or_path": str(adapter),
+                      "infer_backend": "huggingface", "infer_dtype": "float32", "do_sample": False}
+    assert "adapter_name_or_path" not in inference_yaml(model, "alpaca", None)
+    path = tmp_path / "alpaca-lora.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    loaded = load_config_file(str(path))  # lmserve reads the very file LLaMA-Factory is given
+    assert (loaded.template, loaded.infer_dtype, loaded.do_sample) == ("alpaca", "float32", False)
+    assert loaded.adapter_name_or_path in (str(adapter), [str(adapter)])
+
+
+def test_answers_are_the_same_only_when_both_answered_alike():
+    assert same_answer(Answer("Paris.", "stop"), Answer("Paris.", "stop"))
+    assert not same_answer(Answer("Paris.", "stop"), Answer("Paris.", "length"))
+    assert not same_answer(Answer("Paris.", "stop"), Answer("Paris", "stop"))
+    assert not same_answer(Answer(error="HTTP 500: x"), Answer(error="HTTP 500: x"))  # two failures are no parity
+
+
+def _run(template: str, adapter: bool, same: int, lmserve_error: str | None = None) -> Run:
+    lf = [Answer(f"answer {i}", "stop") for i in range(len(PROMPTS))]
+    lm = [Answer(error=lmserve_error) if lmserve_error else Answer(a.text if i < same else "other", "stop")
+          for i, a in enumerate(lf)]
+    return Run(template, adapter, lf, lm, prompt_ids={"identical": same, "prompts": len(PROMPTS)})
+
+
+def test_table_counts_identical_answers_per_template_and_adapter():
+    runs = [_run("smollm2", False, 10), _run("smollm2", True, 7),
+            _run("llama3", False, 0, lmserve_error="server did not start"), _run("alpaca", True, 9)]
+    assert runs[1].identical == 7
+    assert table(runs).splitlines() == [
+        "| template | no adapter | LoRA adapter | same prompt ids |",
+        "|---|---|---|---|",
+        "| `smollm2` | 10/10 | 7/10 | 10/10 |",
+        "| `llama3` | 0/10 (lmserve: no answer) | - | 0/10 |",
+        "| `alpaca` | - | 9/10 | 9/10 |",
+    ]
+
+
+def test_prompts_reach_llamafactory_as_its_api_splits_them():
+    conversations = lf_conversations()
+    assert len(conversations) == len(PROMPTS) == 10
+    system = next(c for p, c in zip(PROMPTS, conversations) if p["name"] == "system")
+    assert system["system"] == "You are a pirate. Answer in one sentence."
+    assert [m["role"] for m in system["messages"]] == ["user"]
+    for conv in conversations:  # LLaMA-Factory's API refuses anything but u/a/u/.../u
+        assert [m["role"] for m in conv["messages"]] == ["user", "assistant"] * (len(conv["messages"]) // 2) + ["user"]
+
+
+def test_prompt_id_comparison_names_the_prompts_that_differ_and_either_side_s_refusal():
+    lf = {"prompts": [[1, 2]] * len(PROMPTS), "stop_token_ids": [2], "added_tokens": ["<|eot_id|>"]}
+    lm = {"prompts": [[1, 2]] * (len(PROMPTS) - 1) + [[1, 3]], "stop_token_ids": [2]}
+    out = compare_prompt_ids(lf, lm)
+    assert out["identical"] == len(PROMPTS) - 1
+    assert out["differing"] == {PROMPTS[-1]["name"]: {"llamafactory": [1, 2], "lmserve": [1, 3]}}
+    assert out["llamafactory_added_tokens"] == ["<|eot_id|>"]
+    refused = compare_prompt_ids(lf, {"error": "TemplateError: no <|eot_id|>"})
+    assert refused["lmserve_error"] == "TemplateError: no <|eot_id|>" and "identical" not in refused
