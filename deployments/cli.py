@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from deployments.cluster_env import PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env
-from deployments.preflight import preflight
+from deployments.preflight import check_model_sources, preflight
 from deployments.settings import settings
 from engines.config import ConfigError, load_config_file
 
@@ -86,8 +86,14 @@ def _api(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    """Terminal chat with an in-process engine, like `llamafactory-cli chat` (`clear`, `exit`)."""
-    return asyncio.run(_chat_loop(load_config_file(args.config, args.overrides)))
+    """Terminal chat with an in-process engine, like `llamafactory-cli chat` (`clear`, `exit`).
+    The model's weights and adapters are looked for first, as `lmserve check` does."""
+    config = load_config_file(args.config, args.overrides)
+    try:
+        check_model_sources(config.model_name_or_path, config)
+    except ConfigError as exc:
+        raise ConfigError(f"{args.config}: {exc}") from None
+    return asyncio.run(_chat_loop(config))
 
 
 async def _chat_loop(config) -> int:

@@ -362,7 +362,7 @@ _CHECK_CASES = ["missing model", "missing adapter", "hub ID not cached, offline"
 
 
 @pytest.mark.parametrize("command, case", [("check", case) for case in _CHECK_CASES] + [
-    ("api", "missing model"), ("api", "missing adapter"), ("api", "kt fields missing"),
+    ("api", "missing model"), ("api", "missing adapter"), ("api", "kt fields missing"), ("chat", "missing adapter"),
     ("serve", "missing model"), ("serve", "direct streaming, two models")])
 def test_check_api_and_serve_refuse_what_would_fail_on_a_replica(tmp_path, command, case):
     """`lmserve check` and the start of `api`/`serve` run one preflight: a model that no replica
@@ -393,10 +393,10 @@ def test_check_api_and_serve_refuse_what_would_fail_on_a_replica(tmp_path, comma
     else:  # merged over the defaults (max_replicas 4)
         entry = {"deployment": {"autoscaling_config": {"min_replicas": 5}}}
         message = "model 'm': deployment: invalid deployment options: field 'autoscaling_config': max_replicas"
-    if command == "api" or (command == "check" and case in ("missing model", "missing adapter")):
+    if command in ("api", "chat") or (command == "check" and case in ("missing model", "missing adapter")):
         config = tmp_path / "my_model.yaml"  # a LLaMA-Factory inference YAML, served as API_MODEL_NAME
         config.write_text(yaml.safe_dump(entry))
-        model = "gpt-3.5-turbo"
+        model = "smollm2" if command == "chat" else "gpt-3.5-turbo"
     else:
         if entry is not None:
             args = "models: [" + yaml.safe_dump({"model_id": "m", **entry}, default_flow_style=True).strip() + "]"
