@@ -76,13 +76,23 @@ def bad_request(call, status=400):
 
 
 @pytest.mark.parametrize("messages", [
-    [{"role": "system", "content": "You answer in one word."}],  # only a system message
-    QUESTION + [{"role": "assistant", "content": "Paris."}],  # ends with the assistant
     [{"role": "user", "content": "Hi"}, {"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+     {"role": "assistant", "content": "Ask me."}, {"role": "user", "content": "What is the capital of France?"}],
 ])
-def test_any_role_order_the_template_renders_is_served_as_in_vllm(client, messages):
+def test_any_role_order_ending_with_the_user_is_served(client, messages):
     resp = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=8)
     assert resp.choices[0].finish_reason in ("stop", "length") and resp.choices[0].message.content
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "You answer in one word."}],  # only a system message
+    QUESTION + [{"role": "assistant", "content": "Paris."}],  # ends with the assistant
+])
+def test_a_conversation_the_llamafactory_template_cannot_end_is_a_400(client, messages):
+    # LLaMA-Factory's templates render the assistant's turn after a user or tool message only
+    err = bad_request(lambda: client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8))
+    assert err["param"] == "messages" and "last message" in err["message"]
 
 
 def test_a_template_that_demands_alternating_roles_answers_400(lf_client):
