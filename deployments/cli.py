@@ -105,10 +105,7 @@ async def _chat_loop(config) -> int:
 
     engine = create_engine(config)
     await engine.start()
-    renderer = await asyncio.to_thread(
-        PromptRenderer.from_pretrained, engine.model_path, template=config.template,
-        default_system=config.default_system, enable_thinking=config.enable_thinking,
-        trust_remote_code=config.trust_remote_code)
+    renderer = await asyncio.to_thread(PromptRenderer.for_config, engine.model_path, config)
     messages: list[dict] = []
     print("Welcome to the CLI application, use `clear` to remove the history, use `exit` to exit the application.")
     try:
@@ -127,7 +124,8 @@ async def _chat_loop(config) -> int:
             print("Assistant: ", end="", flush=True)
             ids = renderer.render_chat(messages)
             response = []
-            async for delta in engine.generate(GenerationRequest(uuid.uuid4().hex, ids, SamplingParams())):
+            params = renderer.with_stop_token_ids(SamplingParams())
+            async for delta in engine.generate(GenerationRequest(uuid.uuid4().hex, ids, params)):
                 print(delta.text, end="", flush=True)
                 response.append(delta.text)
             print()
