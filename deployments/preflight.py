@@ -273,6 +273,33 @@ def check_model_sources(model_id: str, config: EngineConfig) -> None:
         except ConfigError as exc:
             raise ConfigError(f"model {model_id!r}: field 'adapter_name_or_path': "
                               f"{str(exc).removeprefix('adapter_name_or_path: ')}") from None
+    check_template(model_id, config)
+
+
+def check_template(model_id: str, config: EngineConfig) -> None:
+    """Check that the model's tokenizer can take its `template` (a LLaMA-Factory template may
+    write tokens the tokenizer lacks, e.g. `llama3`'s `<|eot_id|>` on another family), by building
+    the ingress's prompt renderer from the tokenizer here, when the model directory is here (a
+    local path, or the embedded model once fetched); a model that must be downloaded is checked
+    when its replica starts.
+
+    Raises:
+        ConfigError: `model <model_id>: field 'template': ...`.
+    """
+    from engines.chat_templates import TemplateError
+    from engines.model_source import embedded_model_dir, is_embedded_model
+    from engines.prompt import PromptRenderer
+
+    if is_embedded_model(config.model_name_or_path):
+        model_dir = embedded_model_dir()
+    else:
+        model_dir = Path(config.model_name_or_path).expanduser()
+    if not (model_dir / "config.json").is_file():
+        return
+    try:
+        PromptRenderer.for_config(model_dir, config)
+    except TemplateError as exc:
+        raise ConfigError(f"model {model_id!r}: field 'template': {exc}") from None
 
 
 def _check_source(model_id: str, field_name: str, name: str, marker: str, what: str) -> None:

@@ -358,7 +358,7 @@ def _serve_config_of(tmp_path, args: str) -> Path:
 
 
 _CHECK_CASES = ["missing model", "missing adapter", "hub ID not cached, offline", "direct streaming, two models",
-                "deployment typo", "merged options refused", "kt fields missing"]
+                "deployment typo", "merged options refused", "kt fields missing", "unknown template"]
 
 
 @pytest.mark.parametrize("command, case", [("check", case) for case in _CHECK_CASES] + [
@@ -380,6 +380,9 @@ def test_check_api_and_serve_refuse_what_would_fail_on_a_replica(tmp_path, comma
     elif case == "hub ID not cached, offline":
         entry = {"model_name_or_path": "no-such-org/no-such-model"}
         field, message = "model_name_or_path", "not in the Hugging Face cache, and HF_HUB_OFFLINE is set"
+    elif case == "unknown template":
+        entry = {"template": "qwen3_nothnk"}
+        message = "unknown LLaMA-Factory template 'qwen3_nothnk'; did you mean qwen3_nothink"
     elif case == "kt fields missing":
         entry = {"infer_backend": "ktransformers", "kt_weight_path": "/w"}
         message = "missing: kt_method, kt_cpuinfer, kt_num_gpu_experts"
@@ -409,9 +412,20 @@ def test_check_api_and_serve_refuse_what_would_fail_on_a_replica(tmp_path, comma
     assert message in lines[0]
     if field:
         assert f"field '{field}'" in lines[0]
-    if case not in ("direct streaming, two models", "deployment typo", "kt fields missing"):
+    if case not in ("direct streaming, two models", "deployment typo", "kt fields missing", "unknown template"):
         assert f"model '{model}'" in lines[0]
     assert "serving" not in proc.stderr and "deployed" not in proc.stderr  # refused before Ray started
+
+
+def test_check_refuses_a_template_the_models_tokenizer_cannot_take(tmp_path, tiny_model_dir):
+    """`llama3` writes `<|eot_id|>`, which the tiny tokenizer lacks: LLaMA-Factory would add it as
+    an untrained token; `check` names the model, the field and the token before anything starts."""
+    config = tmp_path / "my_model.yaml"
+    config.write_text(yaml.safe_dump({"model_name_or_path": str(tiny_model_dir), "template": "llama3"}))
+    env = {**os.environ, "API_MODEL_NAME": "gpt-3.5-turbo", "RAY_ADDRESS": ""}
+    proc = subprocess.run(LMSERVE + ["check", str(config)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "model 'gpt-3.5-turbo': field 'template'" in proc.stderr and "<|eot_id|>" in proc.stderr
 
 
 def test_check_accepts_a_hub_id_in_the_local_cache_and_existing_adapters(tmp_path, lf_config, tiny_model_dir):
