@@ -1,11 +1,15 @@
 """`python -m bench.lab.lf_parity`: the YAML both servers get, how answers are compared and the
 table it prints (the run itself serves real models: a benchmark, not a test)."""
 
+import argparse
+import json
+from pathlib import Path
+
 import pytest
 import yaml
 
 from bench.lab.lf_parity import (PROMPTS, Answer, Run, compare_prompt_ids, inference_yaml, lf_conversations,
-                                 same_answer, table)
+                                 load_runs, records, same_answer, table)
 from engines.config import load_config_file
 
 pytestmark = pytest.mark.bench  # a lab probe's test: run with --run-bench
@@ -42,13 +46,17 @@ def test_table_counts_identical_answers_per_template_and_adapter():
     runs = [_run("smollm2", False, 10), _run("smollm2", True, 7),
             _run("llama3", False, 0, lmserve_error="server did not start"), _run("alpaca", True, 9)]
     assert runs[1].identical == 7
+    runs[1].llamafactory[0] = Answer("changed by the adapter", "stop")
     assert table(runs).splitlines() == [
-        "| template | no adapter | LoRA adapter | same prompt ids |",
-        "|---|---|---|---|",
-        "| `smollm2` | 10/10 | 7/10 | 10/10 |",
-        "| `llama3` | 0/10 (lmserve: no answer) | - | 0/10 |",
-        "| `alpaca` | - | 9/10 | 9/10 |",
+        "| template | no adapter | LoRA adapter | answers the adapter changed | same prompt ids |",
+        "|---|---|---|---|---|",
+        "| `smollm2` | 10/10 | 6/10 | 1/10 | 10/10 |",
+        "| `llama3` | 0/10 (lmserve: no answer) | - | - | 0/10 |",
+        "| `alpaca` | - | 9/10 | - | 9/10 |",
     ]
+    opts = argparse.Namespace(max_tokens=48)
+    saved = json.loads(json.dumps(records(runs, opts, Path("/models/SmolLM2-135M-Instruct"))))
+    assert table(load_runs(saved)) == table(runs)  # --report rebuilds the table from the results file
 
 
 def test_prompts_reach_llamafactory_as_its_api_splits_them():

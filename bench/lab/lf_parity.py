@@ -122,16 +122,22 @@ def inference_yaml(model_dir: Path, template: str, adapter: Path | None) -> dict
 
 def table(runs: list[Run]) -> str:
     """Markdown: one row per template, identical answers / prompts without and with the adapter,
-    and how many prompts both sides render to the same ids. A side that gave no answer at all
-    is named in the cell."""
+    how many of LLaMA-Factory's answers the adapter changed (it must change some for the
+    adapter's row to test anything), and how many prompts both sides render to the same ids. A
+    side that gave no answer at all is named in the cell."""
     by_key = {(run.template, run.adapter): run for run in runs}
     templates = list(dict.fromkeys(run.template for run in runs))
-    rows = ["| template | no adapter | LoRA adapter | same prompt ids |", "|---|---|---|---|"]
+    rows = ["| template | no adapter | LoRA adapter | answers the adapter changed | same prompt ids |",
+            "|---|---|---|---|---|"]
     for template in templates:
         cells = [f"`{template}`"]
         for adapter in (False, True):
             run = by_key.get((template, adapter))
             cells.append("-" if run is None else _cell(run))
+        base, lora = by_key.get((template, False)), by_key.get((template, True))
+        changed = None if base is None or lora is None else [
+            a.text != b.text for a, b in zip(base.llamafactory, lora.llamafactory) if not (a.error or b.error)]
+        cells.append(f"{sum(changed)}/{len(changed)}" if changed else "-")
         run = by_key.get((template, False)) or by_key.get((template, True))
         ids = run.prompt_ids if run else {}
         cells.append(f"{ids['identical']}/{ids['prompts']}" if "identical" in ids else "-")
@@ -353,6 +359,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where the LoRA adapter is saved (made once)")
     p.add_argument("--log-dir", type=Path, default=LOG_DIR / "lf-parity")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--report", type=Path, help="print the table of a results file and stop (no server runs)")
     return p.parse_args(argv)
 
 
@@ -375,8 +382,17 @@ def records(runs: list[Run], opts: argparse.Namespace, model_dir: Path) -> dict:
     }
 
 
+def load_runs(data: dict) -> list[Run]:
+    """The runs of a results file written by `records`."""
+    return [Run(r["template"], r["adapter"], [Answer(**a["llamafactory"]) for a in r["answers"]],
+                [Answer(**a["lmserve"]) for a in r["answers"]], r["prompt_ids"]) for r in data["runs"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
+    if opts.report:
+        print(table(load_runs(json.loads(opts.report.read_text()))))
+        return 0
     from engines.model_source import ensure_embedded_model
 
     python = venvs.ensure_llamafactory(opts.log_dir)
