@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from bench.lab.lf_parity import (PROMPTS, Answer, Run, compare_prompt_ids, inference_yaml, lf_conversations,
-                                 load_runs, records, same_answer, table)
+                                 load_runs, logged_errors, records, same_answer, table)
 from engines.config import load_config_file
 
 pytestmark = pytest.mark.bench  # a lab probe's test: run with --run-bench
@@ -78,3 +78,15 @@ def test_prompt_id_comparison_names_the_prompts_that_differ_and_either_side_s_re
     assert out["llamafactory_added_tokens"] == ["<|eot_id|>"]
     refused = compare_prompt_ids(lf, {"error": "TemplateError: no <|eot_id|>"})
     assert refused["lmserve_error"] == "TemplateError: no <|eot_id|>" and "identical" not in refused
+
+
+def test_logged_errors_are_the_distinct_exception_lines_of_a_server_log(tmp_path):
+    log = tmp_path / "llama3-llamafactory.log"
+    log.write_text('INFO: "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error\n'
+                   "Traceback (most recent call last):\n  File \"x.py\", line 1, in forward\n"
+                   "IndexError: index out of range in self\n"
+                   "[WARNING] New tokens have been added, make sure `resize_vocab` is True.\n"
+                   "IndexError: index out of range in self\n"
+                   "ValueError: second\n")
+    assert logged_errors(log) == ["IndexError: index out of range in self", "ValueError: second"]
+    assert logged_errors(tmp_path / "missing.log") == []

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,6 +101,7 @@ class Run:
     llamafactory: list[Answer] = field(default_factory=list)
     lmserve: list[Answer] = field(default_factory=list)
     prompt_ids: dict = field(default_factory=dict)
+    log_errors: dict = field(default_factory=dict)  # side -> the exceptions its server logged
 
     @property
     def identical(self) -> int:
@@ -308,9 +310,20 @@ def ask(base_url: str, max_tokens: int) -> list[Answer]:
     return answers
 
 
+def logged_errors(log: Path) -> list[str]:
+    """The distinct exception lines (`SomeError: message`, a traceback's last line) in a server's
+    log: the cause behind an HTTP 500, which the client sees without a message."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return list(dict.fromkeys(line.strip() for line in lines if re.match(r"^\w*(Error|Exception): ", line)))
+
+
 def serve_and_ask(side: str, config_path: Path, log_dir: Path, opts: argparse.Namespace) -> list[Answer]:
-    """Start `side` (`llamafactory` or `lmserve`) on `config_path`, ask every prompt, stop it.
-    A server that does not start answers every prompt with its start-up error."""
+    """Start `side` (`llamafactory` or `lmserve`) on `config_path`, ask every prompt, stop it;
+    its log is `<log_dir>/<config name>-<side>.log`. A server that does not start answers every
+    prompt with its start-up error."""
     from engines.server_process import free_port
 
     port = free_port()
@@ -332,8 +345,8 @@ def serve_and_ask(side: str, config_path: Path, log_dir: Path, opts: argparse.Na
         print(f"lf_parity: {config_path.stem}: {side} answering after {waited:.0f} s", file=sys.stderr, flush=True)
         return ask(base_url, opts.max_tokens)
     except StartError as exc:
-        reason = str(exc).splitlines()
-        error = f"server did not start: {reason[0]} " + " | ".join(line.strip() for line in reason[-3:])
+        lines = str(exc).splitlines()
+        error = f"server did not start: {lines[-1].strip()}" if len(lines) > 1 else f"server did not start: {exc}"
         return [Answer(error=error[:600]) for _ in PROMPTS]
     finally:
         if server.alive:  # SIGTERM drains lmserve and stops its Ray cluster; LLaMA-Factory's uvicorn stops
@@ -359,6 +372,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where the LoRA adapter is saved (made once)")
     p.add_argument("--log-dir", type=Path, default=LOG_DIR / "lf-parity")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--update", action="store_true",
+                   help="keep the other templates' runs already in --out (rerun a few templates)")
     p.add_argument("--report", type=Path, help="print the table of a results file and stop (no server runs)")
     return p.parse_args(argv)
 
@@ -366,7 +381,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def records(runs: list[Run], opts: argparse.Namespace, model_dir: Path) -> dict:
     """What `--out` holds: the settings, and per run every prompt's two answers."""
     return {
-        "command": "python -m bench.lab.lf_parity " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.lab.lf_parity",
         "llamafactory": "0.9.5 (llamafactory-cli api, infer_backend huggingface)",
         "lmserve": "lmserve api, infer_backend huggingface",
         "model": model_dir.name, "max_tokens": opts.max_tokens, "temperature": 0,
@@ -374,7 +389,7 @@ def records(runs: list[Run], opts: argparse.Namespace, model_dir: Path) -> dict:
                     "lora_B_std": LORA_B_STD},
         "table": table(runs).splitlines(),
         "runs": [{"template": run.template, "adapter": run.adapter, "identical": run.identical,
-                  "prompt_ids": run.prompt_ids,
+                  "prompt_ids": run.prompt_ids, "log_errors": run.log_errors,
                   "answers": [{"prompt": p["name"], "identical": same_answer(a, b), "llamafactory": asdict(a),
                                "lmserve": asdict(b)}
                               for p, a, b in zip(PROMPTS, run.llamafactory, run.lmserve)]}
@@ -385,7 +400,8 @@ def records(runs: list[Run], opts: argparse.Namespace, model_dir: Path) -> dict:
 def load_runs(data: dict) -> list[Run]:
     """The runs of a results file written by `records`."""
     return [Run(r["template"], r["adapter"], [Answer(**a["llamafactory"]) for a in r["answers"]],
-                [Answer(**a["lmserve"]) for a in r["answers"]], r["prompt_ids"]) for r in data["runs"]]
+                [Answer(**a["lmserve"]) for a in r["answers"]], r["prompt_ids"], r.get("log_errors", {}))
+            for r in data["runs"]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     opts.log_dir.mkdir(parents=True, exist_ok=True)
     lf_ids = llamafactory_prompt_ids(python, model_dir, opts.templates)
     adapters = {"both": (False, True), "none": (False,), "only": (True,)}[opts.adapter]
-    runs = []
+    runs = load_runs(json.loads(opts.out.read_text())) if opts.update and opts.out.is_file() else []
     for template in opts.templates:
         ids = compare_prompt_ids(lf_ids[template], lmserve_prompt_ids(model_dir, template))
         for with_adapter in adapters:
@@ -411,7 +427,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                  else None), sort_keys=False))
             run.llamafactory = serve_and_ask("llamafactory", config_path, opts.log_dir, opts)
             run.lmserve = serve_and_ask("lmserve", config_path, opts.log_dir, opts)
-            runs.append(run)
+            run.log_errors = {side: errors for side in ("llamafactory", "lmserve")
+                              if (errors := logged_errors(opts.log_dir / f"{config_path.stem}-{side}.log"))}
+            keys = [(r.template, r.adapter) for r in runs]
+            if (template, with_adapter) in keys:  # --update: in its place
+                runs[keys.index((template, with_adapter))] = run
+            else:
+                runs.append(run)
             print(f"lf_parity: {config_path.stem}: {run.identical}/{len(PROMPTS)} identical", file=sys.stderr,
                   flush=True)
             opts.out.write_text(json.dumps(records(runs, opts, model_dir), indent=1, ensure_ascii=False) + "\n")
