@@ -287,25 +287,27 @@ class HuggingFaceEngine(Engine):
             return model
         from peft import PeftModel
 
+        # peft names its modules after the adapter, and a module name cannot hold a "."
+        peft_names = {name: f"lora{i}_{name.replace('.', '_')}" for i, name in enumerate(adapters)}
         for i, (name, path) in enumerate(adapters.items()):
             try:
                 if i == 0:
-                    model = PeftModel.from_pretrained(model, path, adapter_name=name)
+                    model = PeftModel.from_pretrained(model, path, adapter_name=peft_names[name])
                 else:
-                    model.load_adapter(path, adapter_name=name)
-                _check_adapter_fits(model, name, path)
+                    model.load_adapter(path, adapter_name=peft_names[name])
+                _check_adapter_fits(model, peft_names[name], path)
             except ModelLoadError:
                 raise
-            except Exception as exc:
-                raise ModelLoadError(f"adapter_name_or_path: LoRA adapter {path!r} does not fit model "
-                                     f"{self.config.model_name_or_path!r} (is it an adapter of another base model?): "
-                                     f"{type(exc).__name__}: {exc}") from exc
-        applied = self.config.applied_adapters
+            except Exception as exc:  # peft names the mismatch: a module the model lacks, a shape
+                raise ModelLoadError(f"adapter_name_or_path: could not load LoRA adapter {path!r} into model "
+                                     f"{self.config.model_name_or_path!r}: {type(exc).__name__}: {exc}") from exc
+        applied = [peft_names[name] for name in self.config.applied_adapters]
         if len(applied) > 1:
-            _combine_adapters(model, applied, ALL_ADAPTERS, adapters)
+            _combine_adapters(model, applied, ALL_ADAPTERS, {peft_names[n]: path for n, path in adapters.items()})
         self._peft_names = {None: ALL_ADAPTERS if len(applied) > 1 else applied[0], BASE_MODEL: PEFT_BASE,
-                            **{name: name for name in adapters}}
-        logger.info("loaded LoRA adapters %s; requests without one are served with %s", list(adapters), applied)
+                            **peft_names}
+        logger.info("loaded LoRA adapters %s; requests without one are served with %s", list(adapters),
+                    self.config.applied_adapters)
         return model
 
     def model_info(self) -> ModelInfo:

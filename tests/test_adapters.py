@@ -173,6 +173,16 @@ def test_one_adapter_is_the_model(tiny, answers):
         run(engine.shutdown())
 
 
+def test_an_adapter_directory_with_a_dot_in_its_name(tiny, answers, tmp_path):
+    """`sft.v2` is a valid adapter name (`<model_id>:sft.v2`), though peft cannot name a module so."""
+    shutil.copytree(tiny.sft, tmp_path / "sft.v2")
+    engine = start(tiny.base, str(tmp_path / "sft.v2"))
+    try:
+        assert greedy(engine, "sft.v2") == greedy(engine) == answers["merged_sft"]
+    finally:
+        run(engine.shutdown())
+
+
 @pytest.mark.parametrize("other", [
     pytest.param({"layers": 3}, id="deeper-model"),
     pytest.param({"layers": 1}, id="shallower-model"),
