@@ -239,12 +239,13 @@ def _follow_progress(progress: Any, bar: Any, stop: threading.Event) -> None:
 
 def run_batch(config: EngineConfig, dataset: str, output: str, *, resume: bool = False, overwrite: bool = False,
               num_workers: int = 1, batch_size: int = 16, num_cpus_per_worker: float = 1,
-              num_gpus_per_worker: float = 0) -> int:
+              num_gpus_per_worker: float = 0, start_timeout_s: float = ACTOR_START_TIMEOUT_S) -> int:
     """Generate predictions for every example of `dataset` into `output` (JSONL); returns the
     number of lines written by this run.
 
     The rows are cut into calls by `plan_batches` and spread over `num_workers` engine actors
-    (fewer when there are fewer calls); a progress bar on stderr counts rows as they finish, and
+    (fewer when there are fewer calls), once all of them have started (within `start_timeout_s`
+    seconds, each loading its model); a progress bar on stderr counts rows as they finish, and
     the last line says how many rows each worker generated.
 
     Raises:
@@ -252,7 +253,9 @@ def run_batch(config: EngineConfig, dataset: str, output: str, *, resume: bool =
             file for it (see `resume_output`).
         FileExistsError: `output` exists and neither `resume` nor `overwrite` was given.
         ValueError: `num_workers` or `batch_size` below 1.
-        WorkerStartError: an engine actor raised while starting (e.g. its model did not load).
+        WorkerStartError: an engine actor raised while starting (e.g. its model did not load), or
+            they did not all start within `start_timeout_s` (the message gives the resources
+            asked for and the cluster's).
     """
     import pandas as pd
     import ray
@@ -282,7 +285,7 @@ def run_batch(config: EngineConfig, dataset: str, output: str, *, resume: bool =
     ctx.execution_options.preserve_order = True  # lines come out in dataset order
     # Dispatch only once every actor has loaded its model: the pool hands calls to the least busy
     # ready actor, so the first one ready would otherwise take several calls while the rest load.
-    ctx.wait_for_min_actors_s = ACTOR_START_TIMEOUT_S
+    ctx.wait_for_min_actors_s = start_timeout_s
     ctx.enable_progress_bars = False  # they count blocks as whole calls end; the bar below counts rows
     starts = list(itertools.accumulate(sizes, initial=0))
     # One DataFrame per call: `from_pandas` keeps each as its own block (`from_items` would
@@ -314,6 +317,12 @@ def run_batch(config: EngineConfig, dataset: str, output: str, *, resume: bool =
         from deployments.startup import replica_error
 
         raise WorkerStartError(f"an engine worker failed to start: {replica_error(str(exc))}") from None
+    except ray.exceptions.GetTimeoutError:  # from `wait_for_min_actors_s`
+        total, free = ray.cluster_resources(), ray.available_resources()
+        raise WorkerStartError(
+            f"the engine workers ({workers}, {num_cpus_per_worker:g} CPUs and {num_gpus_per_worker:g} GPUs each) "
+            f"did not all start within {start_timeout_s:g} s; the cluster has {total.get('CPU', 0):g} CPUs "
+            f"({free.get('CPU', 0):g} free) and {total.get('GPU', 0):g} GPUs ({free.get('GPU', 0):g} free)") from None
     finally:
         stop.set()
         follower.join()

@@ -169,3 +169,19 @@ def test_a_worker_that_cannot_load_its_model_ends_the_run_with_its_error(tmp_pat
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("lmserve batch: an engine worker failed to start: "), last
     assert "ModelLoadError: could not load model" in last and "ActorDiedError" not in last
+
+
+@pytest.mark.slow
+def test_workers_the_cluster_cannot_place_end_the_run_with_the_resources(tmp_path, model_dir):
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(ALPACA))
+    script = ("import sys\nfrom deployments.batch import WorkerStartError, run_batch\n"
+              "from engines.config import EngineConfig\n"
+              "try:\n    run_batch(EngineConfig(model_name_or_path=sys.argv[1]), sys.argv[2], sys.argv[3],"
+              " num_cpus_per_worker=4096, start_timeout_s=5)\n"
+              "except WorkerStartError as exc:\n    print(exc)\n")
+    run = subprocess.run([sys.executable, "-c", script, str(model_dir), str(data), str(tmp_path / "out.jsonl")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "the engine workers (1, 4096 CPUs and 0 GPUs each) did not all start within 5 s" in run.stdout
+    assert "the cluster has" in run.stdout and "CPUs" in run.stdout
