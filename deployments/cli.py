@@ -135,11 +135,23 @@ async def _chat_loop(config) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (argparse turns the ValueError into a usage error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _batch(args: argparse.Namespace) -> int:
     """Offline generation over a dataset on Ray Data (like LLaMA-Factory's vllm_infer.py)."""
     from deployments.batch import DatasetError, WorkerStartError, run_batch
 
     config = load_config_file(args.config, args.overrides)
+    try:
+        check_model_sources(config.model_name_or_path, config)
+    except ConfigError as exc:
+        raise ConfigError(f"{args.config}: {exc}") from None
     try:
         run_batch(config, args.dataset, args.output, resume=args.resume, overwrite=args.overwrite,
                   num_workers=args.num_workers, batch_size=args.batch_size,
@@ -383,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default="generated_predictions.jsonl")
     p.add_argument("--resume", action="store_true", help="continue an existing output file")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    p.add_argument("--num-workers", type=int, default=1, help="engine actors")
-    p.add_argument("--batch-size", type=int, default=16, help="examples per actor call")
+    p.add_argument("--num-workers", type=_positive_int, default=1, help="engine actors")
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="examples per actor call")
     p.add_argument("--num-cpus", type=float, default=1, help="CPUs per engine actor")
     p.add_argument("--num-gpus", type=float, default=0, help="GPUs per engine actor")
     p.set_defaults(func=_batch)

@@ -1,5 +1,6 @@
 """The `lmserve` command line: LLaMA-Factory's `api` and `chat` as drop-ins."""
 
+import json
 import os
 import signal
 import subprocess
@@ -483,3 +484,21 @@ def test_the_replicas_own_error_is_taken_from_ray_serves_deployment_message():
     assert replica_error(message) == ("ModelLoadError: could not load model from '/m': ValueError: bad field: "
                                       "TypeError: expected int")
     assert replica_error("Failed to update the deployments ['X'].") == "Failed to update the deployments ['X']."
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-workers", "0"], "argument --num-workers: must be at least 1, got 0"),
+    (["--batch-size", "-1"], "argument --batch-size: must be at least 1, got -1"),
+    ([], "field 'model_name_or_path': model path"),
+])
+def test_batch_refuses_bad_counts_and_a_missing_model_in_one_line(tmp_path, extra, message):
+    """`lmserve batch` checks its counts and the model's files before Ray starts, like `check`
+    (before: a ValueError traceback, or a worker that died loading the model)."""
+    config = tmp_path / "my_model.yaml"
+    config.write_text(yaml.safe_dump({"model_name_or_path": str(tmp_path / "nope")}))
+    dataset = tmp_path / "data.json"
+    dataset.write_text(json.dumps([{"instruction": "Hi", "input": "", "output": ""}]))
+    proc = subprocess.run(LMSERVE + ["batch", str(config), "--dataset", str(dataset), *extra],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
