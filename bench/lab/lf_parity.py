@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run)
             print(f"lf_parity: {config_path.stem}: {run.identical}/{len(PROMPTS)} identical", file=sys.stderr,
                   flush=True)
-            opts.out.write_text(json.dumps(records(runs, opts, model_dir), indent=1, ensure_ascii=False) + "\n")
+            text = json.dumps(records(runs, opts, model_dir), indent=1, ensure_ascii=False) + "\n"
+            opts.out.write_text(text.replace(str(venvs.REPO_ROOT) + "/", ""))  # paths in errors: repo-relative
     print(table(runs))
     return 0
 
