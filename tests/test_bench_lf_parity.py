@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from bench.lab.lf_parity import (PROMPTS, Answer, Run, compare_prompt_ids, inference_yaml, lf_conversations,
-                                 load_runs, logged_errors, records, same_answer, table)
+                                 lmserve_prompt_ids, load_runs, logged_errors, make_adapter, records, same_answer,
+                                 table)
 from engines.config import load_config_file
 
 pytestmark = pytest.mark.bench  # a lab probe's test: run with --run-bench
@@ -90,3 +91,20 @@ def test_logged_errors_are_the_distinct_exception_lines_of_a_server_log(tmp_path
                    "ValueError: second\n")
     assert logged_errors(log) == ["IndexError: index out of range in self", "ValueError: second"]
     assert logged_errors(tmp_path / "missing.log") == []
+
+
+@pytest.mark.slow  # loads the real model and tokenizer
+def test_adapter_is_made_once_with_nonzero_lora_b_and_lmserve_renders_as_the_run_compares(model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    adapter = make_adapter(model_dir, tmp_path / "lora")
+    weights = load_file(adapter / "adapter_model.safetensors")
+    lora_b = [w for name, w in weights.items() if "lora_B" in name]
+    assert lora_b and all(w.abs().max() > 0 for w in lora_b)  # peft's zero init would change nothing
+    made = (adapter / "adapter_model.safetensors").stat().st_mtime_ns
+    assert make_adapter(model_dir, adapter) == adapter
+    assert (adapter / "adapter_model.safetensors").stat().st_mtime_ns == made  # reused, not made again
+
+    rendered = lmserve_prompt_ids(model_dir, "smollm2")
+    assert len(rendered["prompts"]) == len(PROMPTS) and rendered["stop_token_ids"] == [2]  # <|im_end|>
+    assert "<|eot_id|>" in lmserve_prompt_ids(model_dir, "llama3")["error"]  # refused, as at start-up
