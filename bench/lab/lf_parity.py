@@ -1,7 +1,8 @@
 """Greedy answers of `lmserve api` against `llamafactory-cli api` for the same YAML:
 `python -m bench.lab.lf_parity`.
 
-    flock /tmp/lmserve-slow.lock .venv/bin/python -m bench.lab.lf_parity
+    .venv/bin/python -m bench.lab.lf_parity          # 8 templates x 2: about 25 minutes on 2 cores
+    .venv/bin/python -m bench.lab.lf_parity --report bench/results/lf_parity.json
 
 For every template of `--templates` and with and without a LoRA adapter, it writes one
 LLaMA-Factory inference YAML (the default model in float32, `template`, `adapter_name_or_path`,
@@ -9,8 +10,9 @@ LLaMA-Factory inference YAML (the default model in float32, `template`, `adapter
 `llamafactory-cli api` (LLaMA-Factory 0.9.5, the bench harness's venv, bench/venvs.py) and then
 with `lmserve api`, one server at a time, and sends both the same `PROMPTS` with the official
 `openai` client (`temperature: 0`, `max_tokens` 48). Two answers are identical when their text
-and `finish_reason` are. It prints a table (template x adapter -> identical answers / prompts)
-and writes every answer to `--out` (JSON).
+and `finish_reason` are. It prints a table (template x adapter -> identical answers / prompts,
+and how many answers the adapter changed) and writes every answer to `--out` (JSON), with the
+exceptions each server logged (an HTTP 500 carries no message). Servers' logs go to `--log-dir`.
 
 To explain a difference it also renders every prompt on both sides without a server:
 LLaMA-Factory's `encode_oneturn` and `get_stop_token_ids` (run in its venv, as its
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,7 +177,8 @@ def make_adapter(model_dir: Path, out_dir: Path) -> Path:
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:  # peft starts it at zero: the adapter would change nothing
                 param.normal_(0.0, LORA_B_STD)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name, dir=out_dir.parent if out_dir.parent.exists() else None))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name, dir=out_dir.parent))  # complete or absent: saved, then renamed
     peft_model.save_pretrained(str(tmp))
     tmp.rename(out_dir)
     return out_dir
@@ -356,7 +360,7 @@ def serve_and_ask(side: str, config_path: Path, log_dir: Path, opts: argparse.Na
             except subprocess.TimeoutExpired:
                 pass
         server.stop(grace_s=20)
-        subprocess.run(["rm", "-rf", ray_tmp], check=False)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 # ---- the run -------------------------------------------------------------------------------
