@@ -170,6 +170,20 @@ def _parse_parameter(raw_value: str, strip_fallback: bool) -> Any:
         return value if strip_fallback else raw_value
 
 
+def _json_calls(text: str, arguments_key: str) -> str | list[FunctionCall]:
+    """Calls written as one JSON object or a list of them, `{"name", <arguments_key>}` (llama3
+    says `parameters`, mistral `arguments`); `text` itself when it is not that."""
+    try:
+        tools = json.loads(text.strip())
+    except json.JSONDecodeError:
+        return text
+    tools = tools if isinstance(tools, list) else [tools]
+    try:
+        return [FunctionCall(tool["name"], _json(tool[arguments_key])) for tool in tools]
+    except KeyError:
+        return text
+
+
 class ToolFormat(ABC):
     """One of LLaMA-Factory's tool formats (a `ToolUtils` class of its `data/tool_utils.py`).
 
@@ -440,15 +454,7 @@ class Llama3ToolFormat(ToolFormat):
         return _json(objects[0] if len(objects) == 1 else objects)
 
     def _extract_tool_calls(self, text):
-        try:
-            tools = json.loads(text.strip())
-        except json.JSONDecodeError:
-            return text
-        tools = tools if isinstance(tools, list) else [tools]
-        try:
-            return [FunctionCall(tool["name"], _json(tool["parameters"])) for tool in tools]
-        except KeyError:
-            return text
+        return _json_calls(text, "parameters")
 
 
 class MiniMaxM1ToolFormat(ToolFormat):
@@ -527,15 +533,7 @@ class MistralToolFormat(ToolFormat):
         return _json([{"name": name, "arguments": json.loads(arguments)} for name, arguments in calls])
 
     def _extract_tool_calls(self, text):
-        try:
-            tools = json.loads(text.strip())
-        except json.JSONDecodeError:
-            return text
-        tools = tools if isinstance(tools, list) else [tools]
-        try:
-            return [FunctionCall(tool["name"], _json(tool["arguments"])) for tool in tools]
-        except KeyError:
-            return text
+        return _json_calls(text, "arguments")
 
 
 class QwenToolFormat(ToolFormat):
