@@ -59,8 +59,10 @@ async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
         logger.warning("%s %s: %d %s", request.method, request.url.path, status, body.error.message)
     # labelled by the model once the handler has resolved it (`router.label_request`)
     ingress_metrics().count_error(status, *getattr(request.state, "metric_labels", ("", "")))
-    headers = {"retry-after": str(exc.retry_after)} if getattr(exc, "retry_after", None) else None
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    headers = {"retry-after": str(exc.retry_after)} if getattr(exc, "retry_after", None) else {}
+    if isinstance(exc, StarletteHTTPException) and exc.headers:  # e.g. a 405's `Allow` (RFC 9110)
+        headers = {**exc.headers, **headers}
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers or None)
 
 
 # routes that need no API key: the liveness probe and the web chat page (its API calls send one),

@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from openai.types.chat.chat_completion import Choice as OpenAIChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as OpenAIChunkChoice
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from engines.base import SamplingParams, StructuredOutput
@@ -34,8 +34,48 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each `logit_bias` value, either sign
 _LOGGED_UNKNOWN: set[tuple[str, str]] = set()
 
 
+# vLLM's bounds on `seed` (torch's int64): a larger one cannot seed a generator.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_JSON_DEPTH = 64  # nesting of a request's JSON values (a JSON schema, tool parameters) lmserve walks
+
+
+def _check_text_and_depth(data: Any) -> None:
+    """Refuse a request body holding a string that is not valid Unicode text (a lone surrogate,
+    which JSON's `\\ud800` escape allows and no tokenizer can encode) or JSON nested deeper than
+    `MAX_JSON_DEPTH`, naming the field where it sits (OpenAI's `param`)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        where = where if len(where) <= 80 else where[:77] + "..."
+        if depth > MAX_JSON_DEPTH:
+            raise field_error(where.split(".")[0].split("[")[0], f"{where}: nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise field_error(where.split(".")[0].split("[")[0],
+                                  f"{where}: not valid Unicode text (a lone surrogate)") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    stack.append((key, where or key, depth + 1))
+                stack.append((item, f"{where}.{key}" if where else str(key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        """An explicit `null` for an optional field means "not set", as OpenAI's API and vLLM
+        read it (`{"n": null}` is `n: 1`); text that is not Unicode, or nesting too deep, is refused."""
+        if not isinstance(data, dict):
+            return data
+        _check_text_and_depth(data)
+        return _drop_nulls(cls, data)
 
     @model_validator(mode="after")
     def _log_unknown(self) -> "OpenAIBaseModel":
@@ -47,8 +87,20 @@ class OpenAIBaseModel(BaseModel):
         return self
 
 
+def _drop_nulls(model: type[BaseModel], data: dict) -> dict:
+    """`data` without the `null`s of fields that have a default (they take the default)."""
+    defaults = {name for name, f in model.model_fields.items() if not f.is_required()}
+    defaults |= {f.alias for name, f in model.model_fields.items() if f.alias and name in defaults}
+    return {k: v for k, v in data.items() if not (v is None and k in defaults)}
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data) if isinstance(data, dict) else data
 
 
 def field_error(param: str, message: str) -> PydanticCustomError:
@@ -56,6 +108,15 @@ def field_error(param: str, message: str) -> PydanticCustomError:
     `param` as OpenAI's `param` (`deployments.errors.describe_validation_error`), where a plain
     `ValueError` from a model validator would name none. `message` must not contain braces."""
     return PydanticCustomError("invalid_field", message, {"param": param})
+
+
+MIN_LOGPROB = -9999.0  # vLLM's server clamps -inf to it: JSON has no infinity
+
+
+def clamp_logprob(logprob: float) -> float:
+    """A log-probability JSON can carry: -inf (and NaN) become `MIN_LOGPROB`, as vLLM's server
+    reports them."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -169,6 +230,8 @@ class ResponseFormat(StrictModel):
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as exc:
             raise ValueError(f"json_schema.schema is not a valid JSON Schema: {exc.message}") from None
+        except RecursionError:
+            raise ValueError("json_schema.schema is nested too deep to check") from None
         return self
 
     def structured_output(self) -> StructuredOutput | None:
@@ -196,7 +259,7 @@ class SamplingFields(OpenAIBaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
     logit_bias: dict[int, float] | None = None
     # vLLM extras
@@ -363,7 +426,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions` (legacy text completions)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)

@@ -26,6 +26,7 @@ from deployments.protocol import (
     ChatCompletionChunkChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    clamp_logprob,
 )
 from deployments.router import ModelEntry, ModelRouter, check_capabilities, label_request
 from deployments.serving import OpenAIServing, json_response, usage_info
@@ -194,7 +195,7 @@ def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
         return None
 
     def item(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"token": token, "logprob": clamp_logprob(logprob), "bytes": list(token.encode())}
 
     return {"content": [{**item(t.token, t.logprob),
                          "top_logprobs": [item(a.token, a.logprob) for a in t.top_logprobs]} for t in tokens]}

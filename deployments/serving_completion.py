@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from deployments import constants
-from deployments.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from deployments.protocol import CompletionChoice, CompletionRequest, CompletionResponse, clamp_logprob
 from deployments.router import check_capabilities, label_request
 from deployments.serving import OpenAIServing, json_response, usage_info
 from deployments.sse import sse_event
@@ -131,5 +131,6 @@ def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> d
     for t in tokens:
         offsets.append(pos)
         pos += len(t.token)
-    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs} for t in tokens], "text_offset": offsets}
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [clamp_logprob(t.logprob) for t in tokens],
+            "top_logprobs": [{a.token: clamp_logprob(a.logprob) for a in t.top_logprobs} for t in tokens],
+            "text_offset": offsets}
