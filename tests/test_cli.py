@@ -502,3 +502,17 @@ def test_batch_refuses_bad_counts_and_a_missing_model_in_one_line(tmp_path, extr
                           capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_check_leaves_a_model_that_does_not_load_to_its_replica(tmp_path):
+    """A model directory whose tokenizer cannot be read here passes `check` (the replica reports
+    its load failure with the cause, `tests/test_cli_startup.py`); only a template the tokenizer
+    cannot take is refused before start."""
+    model = tmp_path / "broken-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": "not a number"}))
+    config = tmp_path / "my_model.yaml"
+    config.write_text(yaml.safe_dump({"model_name_or_path": str(model)}))
+    proc = subprocess.run(LMSERVE + ["check", str(config)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr
