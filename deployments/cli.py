@@ -263,7 +263,7 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
     gcs_address = ray.get_runtime_context().gcs_address
     misses, next_check = 0, time.monotonic() + CLUSTER_CHECK_INTERVAL_S
     cluster_gone = False
-    watcher: StartupWatcher | None = StartupWatcher(app_names, settings().schedule_timeout_s)
+    watcher: StartupWatcher | None = StartupWatcher(app_names, settings().schedule_timeout_s, gcs_address=gcs_address)
     watcher.start()
     try:
         while not stop["signals"]:

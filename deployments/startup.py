@@ -63,13 +63,16 @@ def failed_deployments(status: Any, app_names: list[str]) -> str | None:
     return None
 
 
-def _pending_replicas(app_names: list[str]) -> list[Any]:
+def _pending_replicas(app_names: list[str], gcs_address: str | None = None) -> list[Any]:
     """The replica actors of `app_names` that Ray has not placed on a node yet (state
-    PENDING_CREATION: waiting for resources, a placement group or a runtime env)."""
+    PENDING_CREATION: waiting for resources, a placement group or a runtime env), asked of the
+    cluster at `gcs_address` (without it, Ray's state API picks any local cluster: with two on
+    the machine, possibly the other one)."""
     from ray.util.state import list_actors
 
     prefixes = tuple(f"{_REPLICA_CLASS}{name}:" for name in app_names)
-    actors = list_actors(filters=[("state", "=", "PENDING_CREATION")], detail=True, raise_on_missing_output=False)
+    actors = list_actors(address=gcs_address, filters=[("state", "=", "PENDING_CREATION")], detail=True,
+                         raise_on_missing_output=False)
     return [actor for actor in actors if (actor.class_name or "").startswith(prefixes)]
 
 
@@ -103,9 +106,11 @@ class StartupWatcher(threading.Thread):
     gone away never holds the process (its caller watches the cluster itself).
     """
 
-    def __init__(self, app_names: list[str], schedule_timeout_s: float, poll_interval_s: float = 1.0):
+    def __init__(self, app_names: list[str], schedule_timeout_s: float, poll_interval_s: float = 1.0,
+                 gcs_address: str | None = None):
         super().__init__(name="lmserve-startup", daemon=True)
         self.app_names = list(app_names)
+        self.gcs_address = gcs_address
         self.schedule_timeout_s = schedule_timeout_s
         self.poll_interval_s = poll_interval_s
         self.outcome: StartupOutcome | None = None
@@ -138,7 +143,7 @@ class StartupWatcher(threading.Thread):
     def _unschedulable(self) -> StartupOutcome | None:
         now = time.monotonic()
         try:
-            pending = _pending_replicas(self.app_names)
+            pending = _pending_replicas(self.app_names, self.gcs_address)
         except Exception:  # noqa: BLE001 - no state API (Ray without its dashboard): Serve's own status stays
             return None
         self._pending_since = {actor.actor_id: self._pending_since.get(actor.actor_id, now) for actor in pending}
