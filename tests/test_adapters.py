@@ -17,7 +17,7 @@ import torch
 
 from conftest import collect, run
 from engines.base import GenerationRequest, SamplingParams, single_lora_adapter
-from engines.config import BASE_MODEL, EngineConfig
+from engines.config import BASE_MODEL, ConfigError, EngineConfig
 from engines.errors import ModelLoadError, ServingError
 
 PROMPTS = [[72, 101, 108, 108, 111], [87, 104, 97, 116, 32, 105, 115], [1, 2, 3, 4, 5, 6, 7, 8]]
@@ -246,6 +246,13 @@ def test_the_header_check_passes_adapters_of_the_model_and_what_it_cannot_read(t
     save_file({k.replace("model.layers", "language_model.layers"): v for k, v in tensors.items()},
               renamed / "adapter_model.safetensors")
     check_adapter_fits(tiny.base, str(renamed))
+    # the same factors under the model's own names, one of them a row short: the check does compare
+    reshaped = tmp_path / "reshaped"
+    shutil.copytree(tiny.sft, reshaped)
+    name = next(k for k in tensors if k.endswith("lora_B.weight"))
+    save_file({**tensors, name: tensors[name][:-1].contiguous()}, reshaped / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match="adapter_name_or_path"):
+        check_adapter_fits(tiny.base, str(reshaped))
 
 
 def test_adapters_that_train_whole_modules_are_not_combined(tiny, tmp_path):
