@@ -456,11 +456,12 @@ class ScoreEvaluationRequest(OpenAIBaseModel):
 
 # ---- responses -----------------------------------------------------------------------------
 # Built on the `openai` package's types, widened where lmserve answers as vLLM does: a finish
-# reason may be "abort" (the engine dropped the choice) and a completion chunk's may be null,
-# and `stop_reason` names the stop string or token id that ended a choice. Responses are
-# serialized with `model_dump_json(exclude_unset=True)`: a field is sent when the builder sets
-# it, so a chunk carries `"finish_reason": null` and `"logprobs": null` as OpenAI's API sends
-# them, and no `"tool_calls": null` or `"system_fingerprint": null`. Builders set `object`.
+# reason is one of OpenAI's (`FinishReason`; an engine that drops a request raises an error
+# instead) and may be null in any chunk, and `stop_reason` names the stop string or token id
+# that ended a choice. Responses are serialized with `model_dump_json(exclude_unset=True)`: a
+# field is sent when the builder sets it, so a chunk carries `"finish_reason": null` and
+# `"logprobs": null` as OpenAI's API sends them, and no `"tool_calls": null` or
+# `"system_fingerprint": null`. Builders set `object`.
 
 
 class ModelCard(Model):
@@ -480,8 +481,11 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+
+
 class ChatCompletionChoice(OpenAIChatChoice):
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
 
@@ -490,7 +494,7 @@ class ChatCompletionResponse(ChatCompletion):
 
 
 class ChatCompletionChunkChoice(OpenAIChunkChoice):
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
 
@@ -499,7 +503,7 @@ class ChatCompletionChunk(OpenAIChatCompletionChunk):
 
 
 class CompletionChoice(OpenAICompletionChoice):
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
 

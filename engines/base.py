@@ -19,7 +19,10 @@ from engines.errors import ServingError
 if TYPE_CHECKING:
     from engines.config import EngineConfig
 
-FinishReason = Literal["stop", "length", "abort"]
+# OpenAI's finish reasons that engines report ("tool_calls" is the ingress's); an engine that
+# drops a request (vLLM's and SGLang's "abort") raises a `ServingError` instead, so a client sees
+# an error, never a choice that looks finished.
+FinishReason = Literal["stop", "length"]
 
 
 @dataclass(frozen=True)

@@ -290,7 +290,11 @@ class _StreamParser:
     def _finish(self, reason: Any) -> tuple[str | None, str | int | None]:
         """SGLang's `finish_reason` -> (lmserve finish reason, stop reason). `matched` is the stop
         string or token id; an EOS token (not among `stop_token_ids`) gives no stop reason, as
-        in vLLM and OpenAI."""
+        in vLLM and OpenAI.
+
+        Raises:
+            ServingError: an abort: INVALID_REQUEST for SGLang's 400s, else UNAVAILABLE (retryable).
+        """
         if reason is None:
             return None, None
         kind = reason.get("type") if isinstance(reason, dict) else str(reason)
@@ -305,9 +309,8 @@ class _StreamParser:
         message = reason.get("message", "aborted") if isinstance(reason, dict) else "aborted"
         if status == 400:
             raise ServingError.invalid_request(f"sglang: {message}")
-        if status in (500, 503):
-            raise ServingError.unavailable(f"sglang aborted the request ({status}): {message}")
-        return "abort", None
+        raise ServingError.unavailable(f"sglang aborted the request ({status or 'no status'}): {message}; "
+                                       "retry the request")
 
     def _take_logprobs(self, choice: _Choice, meta: dict[str, Any]) -> None:
         """New entries of the cumulative `output_token_logprobs` / `output_top_logprobs`

@@ -398,12 +398,13 @@ class VLLMEngine(Engine):
         finish = output.finish_reason
         if finish == "error":
             raise ServingError.unavailable("vllm engine: the request failed inside the engine (retryable)")
+        if finish == "abort":
+            raise ServingError.unavailable("vllm engine: the engine aborted the request (retryable)")
         if not output.text and finish is None:
             return None
         delta = GenerationDelta(
             index=output.index, text=output.text, num_tokens=choice.pending,
-            finish_reason=None if finish is None else ("length" if finish == "length" else
-                                                       "abort" if finish == "abort" else "stop"),
+            finish_reason=None if finish is None else ("length" if finish == "length" else "stop"),
             stop_reason=output.stop_reason, logprobs=choice.logprobs,
         )
         choice.pending, choice.logprobs = 0, None

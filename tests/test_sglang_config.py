@@ -213,7 +213,8 @@ def test_finish_reasons_are_mapped():
     assert finish({"type": "length", "length": 1}) == ("length", None)
     assert finish({"type": "stop", "matched": "Paris"}) == ("stop", "Paris")
     assert finish({"type": "stop", "matched": 5}, [5]) == ("stop", 5)
-    assert finish({"type": "abort", "message": "Abort in running queue"}) == ("abort", None)
+    with pytest.raises(ServingError, check=lambda e: e.kind == "unavailable", match="Abort in running queue"):
+        finish({"type": "abort", "message": "Abort in running queue"})  # an error, never a finish reason
     with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request",
                        match="longer than the model's context length"):
         finish({"type": "abort", "status_code": 400, "message": "The input (9 tokens) is longer than the model's "
