@@ -39,10 +39,11 @@ class OpenAIServing:
     def sse_response(self, entry: ModelEntry, chunks: AsyncIterator[str],
                      generation: AsyncGenerator[GenerationDelta, None]) -> StreamingResponse:
         """`chunks` as an SSE response; an error raised while streaming is counted for `entry`;
-        `generation` (the router's stream that `chunks` reads) is closed when the response ends."""
+        `generation` (the router's stream that `chunks` reads) is closed when the response ends,
+        or once the client has read nothing for `settings.client_read_timeout_s`."""
         return sse_response(chunks, partial(self.router.metrics.count_error, model_id=entry.model_id,
                                             backend=entry.config.infer_backend), entry.capabilities.backend,
-                            generation)
+                            generation, self.settings.client_read_timeout_s)
 
 
 def usage_info(usage: Usage | None) -> CompletionUsage:

@@ -3,17 +3,21 @@ blank line, an error after the stream has started as one more event in OpenAI's 
 and `data: [DONE]` last, however the stream ended.
 
 `ClosingStreamingResponse` is the Starlette response that carries them: it writes the first body
-part at once and closes the generation behind it when the response ends.
+part at once, gives up on a client that stops reading, and closes the generation behind it when
+the response ends.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 import anyio
 from fastapi.responses import StreamingResponse
 
 from deployments.errors import to_error_response
+
+logger = logging.getLogger("ray.serve")
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -30,21 +34,39 @@ def response_headers(backend: str) -> dict[str, str]:
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A `StreamingResponse` that writes its first body part at once and closes the generation
-    behind it when the response ends, however it ends. Starlette closes nothing when the client
-    goes away while a chunk is being sent: the async generators would stay suspended until the
-    garbage collector finalizes them, and with them the engine's request and the replica's count
-    of requests in flight."""
+    """A `StreamingResponse` that writes its first body part at once, ends a stream whose client
+    stopped reading, and closes the generation behind it when the response ends, however it
+    ends. Starlette closes nothing when the client goes away while a chunk is being sent: the
+    async generators would stay suspended until the garbage collector finalizes them, and with
+    them the engine's request and the replica's count of requests in flight.
 
-    def __init__(self, content: AsyncIterator[str], generation: AsyncGenerator[Any, None], **kwargs: Any):
+    Args:
+        content: the body parts.
+        generation: the stream `content` reads, closed when the response ends.
+        client_read_timeout_s: the longest a body part may wait to be sent (seconds; None: no
+            bound). An ASGI server's `send` waits while the client does not read (uvicorn's flow
+            control, once the socket's and the proxies' buffers are full); past this bound the
+            response is abandoned without its end, so the server closes the connection and the
+            client sees an incomplete body, and the generation is closed (the engine's request
+            aborted, the admission slot given back).
+    """
+
+    def __init__(self, content: AsyncIterator[str], generation: AsyncGenerator[Any, None],
+                 client_read_timeout_s: float | None = None, **kwargs: Any):
         super().__init__(content, **kwargs)
         self._generation = generation
+        self._client_read_timeout_s = client_read_timeout_s
+
+    async def _send_part(self, send: Any, message: dict) -> None:
+        with anyio.fail_after(self._client_read_timeout_s):
+            await send(message)
 
     async def stream_response(self, send: Any) -> None:
         # Starlette's, less the response start: `__call__` has sent it with the first body part.
         async for chunk in self.body_iterator:
-            await send({"type": "http.response.body", "body": chunk.encode(self.charset), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._send_part(send, {"type": "http.response.body", "body": chunk.encode(self.charset),
+                                         "more_body": True})
+        await self._send_part(send, {"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -52,23 +74,32 @@ class ClosingStreamingResponse(StreamingResponse):
             # response is made) are written from this task, before Starlette starts its task
             # group to listen for a disconnect: that takes a task and an event-loop pass more.
             first = await anext(self.body_iterator, None)
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await self._send_part(send, {"type": "http.response.start", "status": self.status_code,
+                                         "headers": self.raw_headers})
             if first is not None:
-                await send({"type": "http.response.body", "body": first.encode(self.charset), "more_body": True})
+                await self._send_part(send, {"type": "http.response.body", "body": first.encode(self.charset),
+                                             "more_body": True})
             await super().__call__(scope, receive, send)
+        except TimeoutError:
+            # Returning without the body's end makes the server close the connection: the
+            # client reads an incomplete body, never a stream that looks finished.
+            logger.warning("a streaming client read nothing for %.0f s: its stream is closed",
+                           self._client_read_timeout_s)
         finally:
             with anyio.CancelScope(shield=True):  # also when the response was cancelled
                 await self._generation.aclose()
 
 
 def sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None], backend: str,
-                 generation: AsyncGenerator[Any, None]) -> StreamingResponse:
+                 generation: AsyncGenerator[Any, None],
+                 client_read_timeout_s: float | None = None) -> StreamingResponse:
     """`chunks` (SSE events, several per string allowed) as a `text/event-stream` response.
 
     An error raised while streaming (a `ServingError` from the engine, the deadline, a failed
     replica, ...) becomes one error event (`to_error_response`'s body) and is counted with
     `count_error(status)`; the status line has long been sent. `generation` (the stream that
-    `chunks` reads) is closed when the response ends.
+    `chunks` reads) is closed when the response ends, or when a body part waited
+    `client_read_timeout_s` for a client that does not read (`ClosingStreamingResponse`).
     """
 
     async def body() -> AsyncIterator[str]:
@@ -81,5 +112,5 @@ def sse_response(chunks: AsyncIterator[str], count_error: Callable[[int], None],
             yield sse_event(err.model_dump_json())
         yield DONE_EVENT
 
-    return ClosingStreamingResponse(body(), generation, media_type="text/event-stream",
+    return ClosingStreamingResponse(body(), generation, client_read_timeout_s, media_type="text/event-stream",
                                     headers={**response_headers(backend), "cache-control": "no-cache"})
