@@ -134,7 +134,8 @@ class OpenAIIngress:
         self.metrics = ingress_metrics()
         self.metrics.add_models({mid: e.config.infer_backend for mid, e in self.models.items()})
         self.router = ModelRouter(self.models, self.settings.request_timeout_s, self.metrics,
-                                  max_requests=max_requests, backpressure_config=backpressure_config)
+                                  max_requests=max_requests, backpressure_config=backpressure_config,
+                                  queue_timeout_s=self.settings.queue_timeout_s or None)
         self.serving_chat = ChatServing(self.router, self.settings, ImageLoader(self.settings.media))
         self.serving_completion = CompletionServing(self.router, self.settings)
         self.serving_score = ScoreServing(self.router, self.settings)

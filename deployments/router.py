@@ -155,13 +155,21 @@ class ModelRouter:
             refused with OVERLOADED (status and `Retry-After` from Ray Serve's
             `backpressure_config` fields `status_code`, `retry_after_s`).
         backpressure_config: those fields.
+        queue_timeout_s: a request whose first delta has not come this long (seconds) after
+            the model was asked is refused with OVERLOADED (503 + `Retry-After`) and removed
+            from the engine; None = no bound but the deadline.
     """
 
     def __init__(self, models: dict[str, ModelEntry], request_timeout_s: float, metrics: IngressMetrics,
-                 max_requests: int | None = None, backpressure_config: dict | None = None):
+                 max_requests: int | None = None, backpressure_config: dict | None = None,
+                 queue_timeout_s: float | None = None):
         self.models = models
         self.configured_model_ids = [mid for mid, entry in models.items() if entry.parent is None]
         self.request_timeout_s = request_timeout_s
+        self.queue_timeout_s = queue_timeout_s
+        self.stop_at: float | None = None  # event-loop time; set by `drain`
+        self._drain_retry_after_s = constants.RETRY_AFTER_S
+        self._timeouts: set[asyncio.Timeout] = set()  # of the streams waiting for their next item
         self.metrics = metrics
         self.max_requests = max_requests
         self._backpressure = backpressure_config or {}
@@ -182,17 +190,40 @@ class ModelRouter:
             raise ServingError.model_not_found(model, list(self.models))
         return entry
 
+    def drain(self, stop_at: float, retry_after_s: float = constants.RETRY_AFTER_S) -> None:
+        """The replica is being stopped: from now on new generations are refused with
+        UNAVAILABLE (503 + `Retry-After`, "server is shutting down"), and streams still running
+        at `stop_at` (event-loop time) are ended with the same error: an error event and
+        `[DONE]` in a stream that has started, a 503 before the first token. Called again, the
+        earlier `stop_at` holds. vLLM's server does the same on `--shutdown-timeout`."""
+        self.stop_at = stop_at if self.stop_at is None else min(self.stop_at, stop_at)
+        self._drain_retry_after_s = retry_after_s
+        for timeout in list(self._timeouts):
+            when = timeout.when()
+            if when is None or when > self.stop_at:
+                try:
+                    timeout.reschedule(self.stop_at)
+                except RuntimeError:  # expiring already: it ends that stream anyway
+                    pass
+
+    def _shutting_down(self) -> ServingError:
+        return ServingError(ErrorKind.UNAVAILABLE, "server is shutting down; retry later",
+                            retry_after_s=self._drain_retry_after_s)
+
     def deadline(self) -> float:
         """The deadline of a request starting now, in event-loop time."""
         return asyncio.get_running_loop().time() + self.request_timeout_s
 
-    async def stream(self, entry: ModelEntry, gen_request: GenerationRequest,
-                     deadline: float, arrival: float) -> AsyncIterator[GenerationDelta]:
+    async def stream(self, entry: ModelEntry, gen_request: GenerationRequest, deadline: float, arrival: float,
+                     first_deadline: float | None = None) -> AsyncIterator[GenerationDelta]:
         """Deltas from the model (a replica, or the engine in this one). A `ServingError` value
         from the model is raised here; past `deadline` (event-loop time) TIMEOUT is raised;
+        without any delta by `first_deadline` (event-loop time; the queue timeout), OVERLOADED;
         beyond `max_requests` at once, OVERLOADED. Leaving early (error, deadline, client gone)
         cancels the request in the engine. Every delta passes here, so this is where the
         request's metrics are recorded (`arrival`: `time.monotonic()` when the handler started)."""
+        if self.stop_at is not None:
+            raise self._shutting_down()
         if self.max_requests is not None and self.requests_in_flight >= self.max_requests:
             retry_after = self._backpressure.get("retry_after_s")
             raise ServingError.overloaded(f"The model is overloaded, retry later ({self.requests_in_flight} "
@@ -204,21 +235,34 @@ class ModelRouter:
         outcome = "failed"
         response = entry.client.generate(gen_request)
         self.requests_in_flight += 1
+        waiting = first_deadline is not None and first_deadline < deadline
         try:
             while True:
                 try:
                     # timeout_at, not wait_for: in Python 3.11 wait_for runs each `__anext__` in a
                     # task of its own, a task and two event-loop passes more for every delta
-                    async with asyncio.timeout_at(deadline):
-                        item = await anext(response)
+                    limit = first_deadline if waiting else deadline
+                    if self.stop_at is not None:
+                        limit = min(limit, self.stop_at)
+                    async with asyncio.timeout_at(limit) as timeout:
+                        self._timeouts.add(timeout)
+                        try:
+                            item = await anext(response)
+                        finally:
+                            self._timeouts.discard(timeout)
                 except StopAsyncIteration:
                     outcome = "completed"
                     return
                 except TimeoutError:
+                    if self.stop_at is not None and timeout.when() >= self.stop_at:
+                        raise self._shutting_down() from None
+                    if waiting:
+                        raise self._queue_timeout(gen_request.request_id) from None
                     raise ServingError(ErrorKind.TIMEOUT, f"request {gen_request.request_id} did not finish within "
                                        f"{self.request_timeout_s:g} s and was stopped") from None
                 if isinstance(item, ServingError):
                     raise item
+                waiting = waiting and not item
                 for delta in item:
                     tracker.on_delta(delta)
                     yield delta
@@ -232,11 +276,21 @@ class ModelRouter:
             finally:
                 tracker.close(outcome)
 
+    def _queue_timeout(self, request_id: str) -> ServingError:
+        """OVERLOADED (always 503: the replica is busy, not the client over a rate) for a request
+        that waited `queue_timeout_s` without a token; `Retry-After` as for a full replica."""
+        retry_after = self._backpressure.get("retry_after_s")
+        return ServingError(ErrorKind.OVERLOADED, f"request {request_id} waited {self.queue_timeout_s:g} s for the "
+                            "model without a token and was removed from its queue; retry later",
+                            retry_after_s=constants.RETRY_AFTER_S if retry_after is None else retry_after)
+
     async def start_stream(self, entry: ModelEntry, gen_request: GenerationRequest, deadline: float,
                            arrival: float) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
         """Start generation and wait for its first delta, so errors found before any output
         (context length, bad params) still get a proper status code instead of a 200 stream.
         A replica that dies before the first delta is retried once (nothing was sent yet).
+        Without a delta within `queue_timeout_s` of this call (both attempts together) the
+        request is refused with OVERLOADED, 503 + `Retry-After`, and leaves the engine.
 
         Returns:
             The first delta (none when the stream ended at once) and the stream of the rest.
@@ -244,8 +298,10 @@ class ModelRouter:
             ServingError: from the engine, or OVERLOADED/UNAVAILABLE from Ray Serve (whose own
                 handlers would answer in plain text).
         """
+        first_deadline = (None if self.queue_timeout_s is None
+                          else asyncio.get_running_loop().time() + self.queue_timeout_s)
         for attempt in (1, 2):
-            stream = self.stream(entry, gen_request, deadline, arrival)
+            stream = self.stream(entry, gen_request, deadline, arrival, first_deadline)
             try:
                 with _ray_serve_errors():
                     first = await stream.__anext__()

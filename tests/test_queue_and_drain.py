@@ -1,0 +1,86 @@
+"""Fast tier of the two ways a replica refuses a request it has taken: the queue timeout (a
+request without a token after `queue_timeout_s` gets 503 + `Retry-After` and leaves the engine)
+and the drain (`ModelRouter.drain`: new requests get 503 + `Retry-After`, streams still running
+at the drain's end get an error event and `[DONE]`). The real app over a `FakeEngine`; no Ray."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from fake_engine import FakeEngine, Reply, build_fake_app, serve_fake, sse_events
+from test_serving_errors import CHAT, assert_openai_error, post
+
+LONG = [[f" w{i}" for i in range(400)]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_without_a_token_within_the_queue_timeout_is_a_503_and_leaves_the_engine(tiny_model_dir, stream):
+    engine = FakeEngine(Reply(delay_s=5.0))  # the first token would come after 5 s
+
+    async def main():
+        async with serve_fake(engine, tiny_model_dir, queue_timeout_s=0.2,
+                              backpressure_config={"retry_after_s": 3}) as http:
+            return await post(http, "/v1/chat/completions", {**CHAT, "stream": stream})
+
+    r = asyncio.run(main())
+    assert r.status_code == 503 and r.headers["retry-after"] == "3"
+    error = assert_openai_error(r.json(), "service_unavailable")
+    assert error["code"] == "overloaded" and "waited 0.2 s for the model without a token" in error["message"]
+    assert engine.cancelled == [engine.requests[0].request_id]
+
+
+def test_the_queue_timeout_bounds_the_wait_for_the_first_token_only(tiny_model_dir):
+    # tokens 0.3 s apart: every gap and the whole answer are longer than the queue timeout
+    engine = FakeEngine(Reply([["a", "b", "c", "d", "e"]], delay_s=0.3))
+
+    async def main():
+        async with serve_fake(engine, tiny_model_dir, queue_timeout_s=0.25 + 0.3) as http:
+            return await post(http, "/v1/chat/completions", {**CHAT, "stream": True})
+
+    r = asyncio.run(main())
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1]) == "abcde"
+    assert engine.cancelled == []
+
+
+def test_queue_timeout_zero_means_no_bound_but_the_deadline(tiny_model_dir):
+    engine = FakeEngine(Reply([["a"]], delay_s=0.3))
+
+    async def main():
+        async with serve_fake(engine, tiny_model_dir, queue_timeout_s=0) as http:
+            return await post(http, "/v1/chat/completions", CHAT)
+
+    r = asyncio.run(main())
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "a"
+
+
+def test_a_drain_refuses_new_requests_and_ends_running_streams_with_an_error_event_then_done(tiny_model_dir):
+    engine = FakeEngine(Reply(LONG, delay_s=0.02))
+
+    async def main():
+        app = await build_fake_app(engine, tiny_model_dir, backpressure_config={"retry_after_s": 2})
+        # the ingress whose routes the app serves (`create_app` binds them to it)
+        [router] = {route.endpoint.__self__.router for route in app.routes if route.path == "/v1/chat/completions"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t", timeout=30) as http:
+            running = asyncio.create_task(post(http, "/v1/chat/completions", {**CHAT, "stream": True}))
+            waiting = asyncio.create_task(post(http, "/v1/chat/completions", CHAT))
+            while len(engine.requests) < 2:
+                await asyncio.sleep(0.005)
+            router.drain(asyncio.get_running_loop().time() + 0.3, retry_after_s=2)
+            refused = await post(http, "/v1/chat/completions", {**CHAT, "stream": True})
+            return await running, await waiting, refused
+
+    running, waiting, refused = asyncio.run(main())
+    for r in (refused, waiting):  # new, and not answered yet (non-streamed): 503 + Retry-After
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        assert "server is shutting down" in assert_openai_error(r.json(), "service_unavailable")["message"]
+    assert running.status_code == 200
+    events = sse_events(running.text)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert "server is shutting down" in assert_openai_error(events[-2], "service_unavailable")["message"]
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2] if e.get("choices"))
+    assert sorted(engine.cancelled) == sorted(r.request_id for r in engine.requests)  # both left the engine
+    assert len(engine.requests) == 2  # the new one was refused before the engine
