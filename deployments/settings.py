@@ -74,6 +74,10 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         600, gt=0, description="A request still generating after this long (seconds) is ended with a 504, "
         "or an error event in a stream. Default of `args.request_timeout_s`.")
+    client_read_timeout_s: float = Field(
+        30, gt=0, description="A streaming client that reads nothing for this long (seconds), once the "
+        "socket's and the proxies' buffers are full, loses its stream: the connection is closed and the "
+        "generation stopped. Default of `args.client_read_timeout_s`.")
     queue_timeout_s: float = Field(
         60, ge=0, description="A request that has had no token this long (seconds) after it reached the "
         "model gets 503 + `Retry-After` and leaves the engine's queue; 0: no bound but `request_timeout_s`. "
@@ -143,6 +147,10 @@ class IngressSettings(BaseModel):
         default_factory=lambda: settings().request_timeout_s, gt=0,
         description="A request still generating after this long (seconds) is ended with a 504 / error "
         "event. Default: `LMSERVE_REQUEST_TIMEOUT_S`.")
+    client_read_timeout_s: float = Field(
+        default_factory=lambda: settings().client_read_timeout_s, gt=0,
+        description="A streaming client that reads nothing for this long (seconds) loses its stream and "
+        "its generation. Default: `LMSERVE_CLIENT_READ_TIMEOUT_S`.")
     queue_timeout_s: float = Field(
         default_factory=lambda: settings().queue_timeout_s, ge=0,
         description="A request that has had no token this long (seconds) after it reached the model (waiting "
