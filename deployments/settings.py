@@ -101,6 +101,35 @@ class Settings(BaseSettings):
     api_model_name: str = Field(
         "gpt-3.5-turbo", validation_alias=AliasChoices("API_MODEL_NAME"),
         description="`API_MODEL_NAME` (LLaMA-Factory's name): the model ID `lmserve api` serves its model as.")
+    ray_loopback: bool = Field(
+        True, description="A local Ray cluster that `lmserve serve`/`api` start binds Ray's own ports (GCS, "
+        "raylet, object manager, dashboard and its agent, metrics export, runtime-env agent, autoscaler) to "
+        "127.0.0.1, so nothing outside this machine reaches them; false: Ray's default, every interface, "
+        "for a head node that other nodes join or a Prometheus elsewhere scrapes. A cluster that lmserve "
+        "joins keeps what it was started with.")
+    haproxy_timeout_http_request_s: int = Field(
+        10, gt=0, description="HAProxy (Ray Serve's high-throughput mode, through `lmserve-haproxy`): a client "
+        "must send its request line, headers and body (as much of it as fits HAProxy's buffer, "
+        "`RAY_SERVE_HAPROXY_TUNE_BUFSIZE`) within this many seconds, else 408 and the connection is closed. "
+        "Read by `lmserve-haproxy` from the Ray cluster's environment.")
+    haproxy_timeout_client_s: int = Field(
+        60, gt=0, description="HAProxy: a client that HAProxy waits on for this many seconds (to send the rest "
+        "of a body larger than the buffer, or to read a response it stopped reading) is disconnected. A "
+        "stream whose client reads is never cut by it, however long the gaps between tokens.")
+    haproxy_max_connections_per_source: int = Field(
+        512, ge=0, description="HAProxy: connections one client address may hold at once; more are closed as "
+        "they open. 0 = no limit: turn it off behind a proxy or load balancer that hides client addresses "
+        "(every client would share its address).")
+    haproxy_maxconn: int = Field(
+        8192, gt=0, description="HAProxy: connections it holds at once in all (`maxconn`), lowered to what "
+        "the open-file limit allows (2.5 descriptors per connection); more wait in the kernel's backlog.")
+    haproxy_retries: int = Field(
+        1, ge=0, description="HAProxy: a request whose replica refused the connection, or closed it without "
+        "answering a byte, is sent again this many times, each time to another replica.")
+    haproxy_admin_host: str = Field(
+        "127.0.0.1", description="HAProxy: the address its stats page (`RAY_SERVE_HAPROXY_STATS_PORT`) and "
+        "Prometheus endpoint (`RAY_SERVE_HAPROXY_METRICS_PORT`) listen on; `*` = every interface (they have no "
+        "authentication).")
     media: MediaSettings = Field(
         default_factory=MediaSettings, description="Where image_url content parts may come from, and their "
         "limits (`MediaSettings`: each field its own `LMSERVE_` variable).")
