@@ -49,6 +49,7 @@ class DirectStreamingServer(OpenAIIngress):
         await self.engine.start()
         await self._setup({model_id: engine_config}, {model_id: InProcessClient(self.engine)}, settings,
                           max_requests=max_requests, backpressure_config=backpressure_config)
+        self.watch_for_stop()
         logger.info("model %r ready on backend %s, direct streaming", model_id,
                     self.models[model_id].config.infer_backend)
 

@@ -25,6 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.drain import watch_for_stop
 from deployments.errors import to_error_response
 from deployments.metrics import ingress_metrics
 from deployments.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -114,6 +115,12 @@ class OpenAIIngress:
     async def __init__(self, models: dict[str, dict], handles: dict[str, Any], settings: dict | None = None):
         send_package_logs_to_replica_log()
         await self._setup(models, {mid: ReplicaClient(handle) for mid, handle in handles.items()}, settings)
+        self.watch_for_stop()
+
+    def watch_for_stop(self) -> None:
+        """In a Ray Serve replica: drain when the controller starts to stop it, so its streams end
+        with an error event and `[DONE]` before it is killed (deployments/drain.py)."""
+        self._drain_watcher = asyncio.create_task(watch_for_stop(self.router), name="lmserve-drain-watcher")
 
     async def _setup(self, models: dict[str, dict], clients: dict[str, ReplicaClient | InProcessClient],
                      settings: dict | None, max_requests: int | None = None,

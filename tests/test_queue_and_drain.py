@@ -84,3 +84,20 @@ def test_a_drain_refuses_new_requests_and_ends_running_streams_with_an_error_eve
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2] if e.get("choices"))
     assert sorted(engine.cancelled) == sorted(r.request_id for r in engine.requests)  # both left the engine
     assert len(engine.requests) == 2  # the new one was refused before the engine
+
+
+def serve_details(app_status="RUNNING", states=("RUNNING", "RUNNING")):
+    """The controller's view of one application `app` with deployment `D` and replicas r0, r1
+    (the fields of `ServeInstanceDetails` that `is_stopping` reads)."""
+    return {"applications": {"app": {"status": app_status, "deployments": {"D": {
+        "replicas": [{"replica_id": f"r{i}", "state": state} for i, state in enumerate(states)]}}}}}
+
+
+def test_a_replica_drains_when_it_is_stopping_or_its_application_is_deleted():
+    from deployments.drain import is_stopping
+
+    assert not is_stopping(serve_details(), "app", "D", "r0")
+    assert is_stopping(serve_details(states=("STOPPING", "RUNNING")), "app", "D", "r0")  # scale-down, redeploy
+    assert not is_stopping(serve_details(states=("STOPPING", "RUNNING")), "app", "D", "r1")
+    assert is_stopping(serve_details(app_status="DELETING"), "app", "D", "r1")  # SIGTERM of lmserve serve/api
+    assert is_stopping({"applications": {}}, "app", "D", "r0")  # deleted already
