@@ -67,6 +67,7 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
 # kind -> (HTTP status, OpenAI error `type`, OpenAI error `code`)
 _HTTP_ERRORS: dict[ErrorKind, tuple[int, str, str | None]] = {
     ErrorKind.INVALID_REQUEST: (400, "invalid_request_error", None),
+    ErrorKind.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error", "context_length_exceeded"),
     ErrorKind.NOT_SUPPORTED: (400, "invalid_request_error", None),
     ErrorKind.AUTHENTICATION: (401, "authentication_error", "invalid_api_key"),
     ErrorKind.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
-from engines.base import Engine, GenerationDelta, GenerationRequest
+from engines.base import Engine, GenerationDelta, GenerationRequest, ModelInfo
 from engines.errors import ServingError
 
 StreamItem = list[GenerationDelta] | ServingError
@@ -43,6 +43,10 @@ class ReplicaClient:
                 yield item
         finally:
             response.cancel()
+
+    async def model_info(self) -> ModelInfo:
+        """The model's `ModelInfo` (context length), from one of its replicas."""
+        return await self._handle.model_info.remote()
 
     async def score(self, texts: list[str], max_length: int | None) -> list[float] | ServingError:
         """Reward scores from a replica; cancelling the caller cancels the call."""
@@ -80,6 +84,9 @@ class InProcessClient:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def model_info(self) -> ModelInfo:
+        return self.engine.model_info()
 
     async def score(self, texts: list[str], max_length: int | None) -> list[float] | ServingError:
         try:

@@ -3,6 +3,7 @@ the HTTP settings, request IDs, usage, and the JSON and SSE responses with lmser
 
 from __future__ import annotations
 
+import logging
 import uuid
 from functools import partial
 from typing import AsyncGenerator, AsyncIterator
@@ -17,6 +18,8 @@ from deployments.settings import IngressSettings
 from deployments.sse import response_headers, sse_response
 from engines.base import GenerationDelta, Usage
 
+logger = logging.getLogger("ray.serve")
+
 
 class OpenAIServing:
     """The base of a route's serving class.
@@ -29,6 +32,22 @@ class OpenAIServing:
     def __init__(self, router: ModelRouter, settings: IngressSettings):
         self.router = router
         self.settings = settings
+        self._context_lengths: dict[str, int] = {}  # configured model ID -> tokens
+
+    async def context_length(self, entry: ModelEntry) -> int | None:
+        """The context length of `entry`'s model (tokens, `ModelInfo.max_model_len`), asked of
+        the model once and kept; None when the model cannot be asked now (the request then
+        goes on, and the engine checks the length itself)."""
+        model_id = entry.parent or entry.model_id
+        if model_id not in self._context_lengths:
+            try:
+                info = await entry.client.model_info()
+            except Exception as exc:  # noqa: BLE001 - a replica that is not up: the engine checks instead
+                logger.warning("context length of %r unknown (%s: %s): long prompts are tokenized before the "
+                               "check", model_id, type(exc).__name__, exc)
+                return None
+            self._context_lengths[model_id] = info.max_model_len
+        return self._context_lengths[model_id]
 
     @staticmethod
     def request_id(request: Request, prefix: str) -> str:

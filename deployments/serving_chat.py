@@ -101,12 +101,14 @@ class ChatServing(OpenAIServing):
         images (engines/media.py: sources and limits from `settings.media`).
 
         A short text-only prompt is rendered in the event loop: a thread hand-off costs more
-        than the template; a long one, tools or images go to a thread.
+        than the template; a long one, tools or images go to a thread, so that other streams go
+        on while it is tokenized, and there a prompt that cannot fit the model's context is
+        refused before it is tokenized (`PromptRenderer.check_prompt_chars`).
 
         Raises:
             ServingError: NOT_SUPPORTED for images on a text-only model (naming it) or on a
                 backend without image support (naming the backend); INVALID_REQUEST for an
-                image that is not allowed, too large, or unreadable.
+                image that is not allowed, too large, or unreadable; CONTEXT_LENGTH_EXCEEDED.
         """
         tools = body.tool_dicts() if body.tools_enabled else None
         kwargs = body.chat_template_kwargs or {}
@@ -114,7 +116,9 @@ class ChatServing(OpenAIServing):
         if not parts:
             if not tools and _text_chars(messages) <= constants.INLINE_RENDER_MAX_CHARS:
                 return entry.renderer.render_chat(messages, tools=tools, **kwargs), None
-            ids = await asyncio.to_thread(entry.renderer.render_chat, messages, tools=tools, **kwargs)
+            context_length = await self.context_length(entry)
+            ids = await asyncio.to_thread(entry.renderer.render_chat, messages, tools=tools,
+                                          context_length=context_length, **kwargs)
             return ids, None
         if not entry.renderer.accepts_images:
             raise ServingError.not_supported(f"model {entry.model_id!r} does not accept images (it is not a "
@@ -123,8 +127,9 @@ class ChatServing(OpenAIServing):
             raise ServingError.not_supported(f"images are not supported by the {entry.capabilities.backend} backend",
                                              param="messages")
         images = await self.image_loader.load(parts)
+        context_length = await self.context_length(entry)
         return await asyncio.to_thread(entry.renderer.render_chat_with_images, messages, images, tools=tools,
-                                       **kwargs)
+                                       context_length=context_length, **kwargs)
 
 
 async def chat_chunks(request_id: str, created: int, model: str, n: int, first: list[GenerationDelta],

@@ -60,11 +60,13 @@ class CompletionServing(OpenAIServing):
                 raise ServingError.invalid_request("batched prompts (a list of several prompts) are not supported; "
                                                    "send one request per prompt", param="prompt")
             prompt = prompt[0]
-        # A short prompt is tokenized in the event loop: a thread hand-off costs more than that.
+        # A short prompt is tokenized in the event loop: a thread hand-off costs more than that. A
+        # long one is tokenized in a thread, once it is known that it can fit the context.
         if len(prompt) <= constants.INLINE_RENDER_MAX_CHARS:  # characters, or token ids
             prompt_ids = entry.renderer.render_completion(prompt)
         else:
-            prompt_ids = await asyncio.to_thread(entry.renderer.render_completion, prompt)
+            context_length = await self.context_length(entry)
+            prompt_ids = await asyncio.to_thread(entry.renderer.render_completion, prompt, context_length)
         request_id = self.request_id(request, "cmpl")
         if self.settings.log_prompts:
             logger.info("%s prompt=%r", request_id, prompt)

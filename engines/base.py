@@ -170,19 +170,20 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, default_max_new_
     `max_tokens=None` means the config's `max_new_tokens`, cut to what fits after the prompt.
 
     Raises:
-        ServingError(INVALID_REQUEST): empty prompt, prompt filling the context, or prompt + `max_tokens`
-            over `max_model_len` (OpenAI's wording, naming both numbers).
+        ServingError: INVALID_REQUEST for an empty prompt; CONTEXT_LENGTH_EXCEEDED for a prompt
+            filling the context, or prompt + `max_tokens` over `max_model_len` (OpenAI's wording
+            and code, naming both numbers).
     """
     if prompt_len == 0:
         raise ServingError.invalid_request("the prompt is empty (0 tokens)", param="prompt")
     if prompt_len >= max_model_len:
-        raise ServingError.invalid_request(
+        raise ServingError.context_length_exceeded(
             f"This model's maximum context length is {max_model_len} tokens; the prompt has "
             f"{prompt_len} tokens.", param="messages")
     if max_tokens is None:
         return min(default_max_new_tokens, max_model_len - prompt_len)
     if prompt_len + max_tokens > max_model_len:
-        raise ServingError.invalid_request(
+        raise ServingError.context_length_exceeded(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
             f"{max_tokens} for the completion).", param="max_tokens")
@@ -199,9 +200,10 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
         vocab_size: token ids must be below it (None: not checked).
 
     Raises:
-        ServingError(INVALID_REQUEST): the prompt and `max_tokens` do not fit `max_model_len`
-            (`resolve_max_tokens`), a stop token id or a `logit_bias` token id is not a token of
-            the model, or the LoRA adapter is not one of `config.lora_adapters` (param `model`).
+        ServingError: CONTEXT_LENGTH_EXCEEDED when the prompt and `max_tokens` do not fit
+            `max_model_len` (`resolve_max_tokens`); INVALID_REQUEST when a stop token id or a
+            `logit_bias` token id is not a token of the model, or the LoRA adapter is not one of
+            `config.lora_adapters` (param `model`).
     """
     params = request.sampling_params.resolve_defaults(
         do_sample=config.do_sample, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,

@@ -24,6 +24,7 @@ class ErrorKind(enum.StrEnum):
     """What went wrong with a request; the HTTP edge maps each kind to a status code."""
 
     INVALID_REQUEST = "invalid_request"  # the request cannot be served as asked (400)
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt (+ max_tokens) does not fit the context (400)
     NOT_SUPPORTED = "not_supported"  # the backend or route lacks a feature the request needs (400)
     AUTHENTICATION = "authentication"  # missing or wrong API key (401)
     NOT_FOUND = "not_found"  # no such model ID (404)
@@ -77,6 +78,12 @@ class ServingError(Exception):
     @classmethod
     def invalid_request(cls, message: str, param: str | None = None) -> "ServingError":
         return cls(ErrorKind.INVALID_REQUEST, message, param)
+
+    @classmethod
+    def context_length_exceeded(cls, message: str, param: str = "messages") -> "ServingError":
+        """The prompt, or the prompt and `max_tokens`, do not fit the model's context (OpenAI's
+        `context_length_exceeded`); a prompt error names `messages`, re-named on /v1/completions."""
+        return cls(ErrorKind.CONTEXT_LENGTH_EXCEEDED, message, param)
 
     @classmethod
     def not_supported(cls, message: str, param: str | None = None) -> "ServingError":

@@ -23,6 +23,7 @@ as transformers' `ProcessorMixin.apply_chat_template` does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
@@ -36,6 +37,12 @@ from engines.media import fit_pixels
 logger = logging.getLogger(__name__)
 
 SYSTEM_ROLES = ("system", "developer")
+
+# Normalizers (tokenizers' `normalizers`) after which a text has at least 1/4 of its characters:
+# Unicode compositions join at most 4 code points into one (a canonical decomposition is at most
+# 4 long, e.g. U+1F87); the others only keep or add characters. `Replace` is checked apart.
+_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+_LENGTH_KEEPING_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend"}
 
 
 class PromptRenderer:
@@ -134,6 +141,34 @@ class PromptRenderer:
         """True for a vision-language model (a processor with an image processor was loaded)."""
         return self.processor is not None
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """At most how many characters of a text one token of this tokenizer stands for, or None
+        where no bound holds (`max_chars_per_token` of the tokenizer). Computed once, from the
+        vocabulary; safe to compute from several threads at once (the result is the same)."""
+        return max_chars_per_token(self.tokenizer)
+
+    def check_prompt_chars(self, chars: int, context_length: int | None, param: str = "messages") -> None:
+        """Refuse, before tokenizing it, a text of `chars` characters that cannot tokenize to
+        fewer than `context_length` tokens (the engines' bound on a prompt: `resolve_max_tokens`):
+        every token stands for at most `max_chars_per_token` characters, so such a text has at
+        least `chars / max_chars_per_token` tokens. Never refuses a text that would fit; does
+        nothing where `context_length` is None or the tokenizer has no such bound.
+
+        Raises:
+            ServingError(CONTEXT_LENGTH_EXCEEDED): naming `param`.
+        """
+        if context_length is None or chars < context_length:  # a token has at least one character
+            return
+        per_token = self.max_chars_per_token
+        if per_token is None:
+            return
+        least = -(-chars // per_token)
+        if least >= context_length:
+            raise ServingError.context_length_exceeded(
+                f"This model's maximum context length is {context_length} tokens; the prompt has {chars} "
+                f"characters, at least {least} tokens.", param=param)
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, template: str | None = None,
                         default_system: str | None = None, enable_thinking: bool | None = True,
@@ -161,25 +196,35 @@ class PromptRenderer:
             preserve_thinking=config.preserve_thinking, tool_format=config.tool_format)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+                    add_generation_prompt: bool = True, context_length: int | None = None,
+                    **template_kwargs: Any) -> list[int]:
         """Render chat messages to prompt token ids (shape `[prompt_len]`).
 
         Messages use OpenAI's shape: `role` in system/developer/user/assistant/tool, `content` a
         string or a list of `{"type": "text", "text": ...}` parts. `developer` is rendered as
-        `system`. `tools` (OpenAI tool definitions) are passed to the template.
+        `system`. `tools` (OpenAI tool definitions) are passed to the template. With
+        `context_length` (tokens), a prompt that cannot fit it is refused before it is tokenized
+        (`check_prompt_chars`). Thread-safe: the renderer's state is read-only once built, and
+        transformers' fast tokenizers encode from several threads at once (Rust, GIL released).
 
         Raises:
             ServingError(INVALID_REQUEST): no messages, or content the template cannot take.
+            ServingError(CONTEXT_LENGTH_EXCEEDED): a prompt longer than `context_length` could hold.
             ServingError(NOT_SUPPORTED): non-text content parts (images: use `render_chat_with_images`).
         """
         if self.template is not None:
-            return self._render_with_template(messages, tools, add_generation_prompt, template_kwargs)
+            return self._render_with_template(messages, tools, add_generation_prompt, template_kwargs,
+                                              context_length)
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=0)
+        self.check_prompt_chars(len(text), context_length)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _render_with_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                              add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> list[int]:
-        """The LLaMA-Factory template's prompt ids: messages mapped as its API maps them."""
+                              add_generation_prompt: bool, template_kwargs: dict[str, Any],
+                              context_length: int | None = None) -> list[int]:
+        """The LLaMA-Factory template's prompt ids: messages mapped as its API maps them; the
+        user and tool turns (rendered whole by every template) bound the prompt's length before
+        it is tokenized."""
         if not messages:
             raise ServingError.invalid_request("messages must not be empty", param="messages")
         unknown = sorted(set(template_kwargs) - {"enable_thinking"})
@@ -201,6 +246,8 @@ class PromptRenderer:
                 "(the template renders the assistant's turn after it)", param="messages")
         tools_text = (json.dumps([tool.get("function", tool) for tool in tools], ensure_ascii=False)
                       if tools else None)
+        self.check_prompt_chars(sum(len(t["content"]) for t in turns if t["role"] in ("user", "observation")),
+                                context_length)
         try:
             ids = template.encode_prompt(self.tokenizer, turns, system, tools_text)
         except TemplateError as exc:
@@ -210,6 +257,7 @@ class PromptRenderer:
 
     def render_chat_with_images(self, messages: list[dict[str, Any]], images: list[Any],
                                 tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                                context_length: int | None = None,
                                 **template_kwargs: Any) -> tuple[list[int], MediaInput]:
         """Render chat messages whose `image_url` parts were loaded into `images` (PIL images, in
         prompt order, e.g. by `engines.media.ImageLoader`).
@@ -231,6 +279,7 @@ class PromptRenderer:
                 f"images with LLaMA-Factory template {self.template.name!r} are not served; unset `template` to "
                 "render with the processor's chat template", param="messages")
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=len(images))
+        self.check_prompt_chars(len(text), context_length)  # image tokens only add to it
         fitted = [fit_pixels(image, self.image_max_pixels, self.image_min_pixels) for image in images]
         try:
             out = self.processor(text=text, images=fitted, add_special_tokens=False, return_tensors="pt")
@@ -271,9 +320,15 @@ class PromptRenderer:
             raise ServingError.invalid_request(f"chat template could not render the messages: {exc}",
                                                param="messages") from exc
 
-    def render_completion(self, prompt: str | list[int]) -> list[int]:
+    def render_completion(self, prompt: str | list[int], context_length: int | None = None) -> list[int]:
         """Tokenize a completion prompt (special tokens added as the tokenizer does by default,
-        like vLLM's /v1/completions); a list of ints is taken as token ids."""
+        like vLLM's /v1/completions); a list of ints is taken as token ids. A text that cannot
+        fit `context_length` (tokens) is refused before it is tokenized (`check_prompt_chars`).
+
+        Raises:
+            ServingError: INVALID_REQUEST for token ids outside the vocabulary or untrained
+                tokens; CONTEXT_LENGTH_EXCEEDED (param `prompt`).
+        """
         if isinstance(prompt, list):
             vocab = len(self.tokenizer)
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -281,6 +336,7 @@ class PromptRenderer:
                 raise ServingError.invalid_request(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
                                                    param="prompt")
             return list(prompt)
+        self.check_prompt_chars(len(prompt), context_length, param="prompt")
         ids = self.tokenizer.encode(prompt)
         self._refuse_untrained(ids, "prompt")
         return ids
@@ -316,6 +372,58 @@ class PromptRenderer:
             # Chat templates expect arguments as a mapping; the API carries them as JSON text.
             out["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
         return out
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """At most how many characters of a text one token of `tokenizer` stands for, so that a
+    text of `c` characters has at least `c / max_chars_per_token` tokens; None where the
+    tokenizer gives no such bound.
+
+    A bound holds for a transformers fast tokenizer with a BPE model that covers every byte
+    (a `ByteLevel` pre-tokenizer, or `byte_fallback`: no text is dropped or folded into one
+    unknown token), whose normalizer only keeps or adds characters, or composes at most 4 into
+    one (NFC, NFKC: the bound is multiplied by 4), and whose added tokens strip no whitespace
+    around them. A token's string in the vocabulary is then at least as long as the text it
+    stands for (one character per byte for byte-level BPE; `▁` for a space and `<0x41>` for a
+    byte with byte fallback), so the longest string bounds every token.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    byte_level = "ByteLevel" in _component_types(spec.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
+        return None
+    if any(token.get("lstrip") or token.get("rstrip") for token in spec.get("added_tokens") or []):
+        return None
+    normalizers = spec.get("normalizer")
+    factor = 1
+    for normalizer in _components(normalizers):
+        kind = normalizer.get("type")
+        if kind in _COMPOSING_NORMALIZERS:
+            factor = 4
+        elif kind == "Replace":
+            pattern = (normalizer.get("pattern") or {}).get("String")
+            if pattern is None or len(normalizer.get("content") or "") < len(pattern):
+                return None
+        elif kind not in _LENGTH_KEEPING_NORMALIZERS:
+            return None
+    return factor * max(map(len, tokenizer.get_vocab()))
+
+
+def _components(spec: dict | None) -> list[dict]:
+    """The components of a tokenizers `normalizer`/`pre_tokenizer` spec, `Sequence`s flattened."""
+    if not spec:
+        return []
+    if spec.get("type") == "Sequence":
+        inner = spec.get("normalizers") or spec.get("pretokenizers") or []
+        return [c for part in inner for c in _components(part)]
+    return [spec]
+
+
+def _component_types(spec: dict | None) -> set[str]:
+    return {c.get("type") for c in _components(spec)}
 
 
 def to_llamafactory_messages(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, str]]]:

@@ -7,9 +7,20 @@ client that never reads; no model, no Ray."""
 import asyncio
 import json
 
-from fake_engine import FakeEngine, Reply, build_fake_app, post_scope
+import pytest
+from fake_engine import MAX_MODEL_LEN, FakeEngine, Reply, build_fake_app, post_scope, serve_fake
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engines.errors import ServingError
+from engines.prompt import PromptRenderer, max_chars_per_token
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_renderer(tiny_model_dir):
+    return PromptRenderer.from_pretrained(tiny_model_dir)
 
 
 def test_a_client_that_stops_reading_loses_its_stream_and_its_slot(tiny_model_dir):
@@ -53,3 +64,105 @@ def test_a_client_that_stops_reading_loses_its_stream_and_its_slot(tiny_model_di
         assert replies[0]["status"] == 200, replies  # the slot was given back
 
     asyncio.run(main())
+
+
+class EncodeSpy:
+    """Records the length of every text a transformers fast tokenizer encodes."""
+
+    def __init__(self, monkeypatch):
+        from transformers import PreTrainedTokenizerFast
+
+        self.lengths: list[int] = []
+        encode = PreTrainedTokenizerFast.encode
+
+        def spy(tokenizer, text, *args, **kwargs):
+            self.lengths.append(len(text) if isinstance(text, str) else -1)
+            return encode(tokenizer, text, *args, **kwargs)
+
+        monkeypatch.setattr(PreTrainedTokenizerFast, "encode", spy)
+
+
+def post(model_dir, engine: FakeEngine, path: str, body: dict) -> tuple[int, dict]:
+    async def main():
+        async with serve_fake(engine, model_dir) as http:
+            response = await http.post(path, json=body)
+            return response.status_code, response.json()
+
+    return asyncio.run(main())
+
+
+PROMPT_MB = "x" * 9_900_000  # the issue's 9.9 MB prompt
+
+
+def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_it_is_tokenized(tiny_model_dir, monkeypatch):
+    spy = EncodeSpy(monkeypatch)
+    for path, body, param in (
+            ("/v1/chat/completions", {"model": "fake", "messages": [{"role": "user", "content": PROMPT_MB}]},
+             "messages"),
+            ("/v1/completions", {"model": "fake", "prompt": PROMPT_MB}, "prompt")):
+        engine = FakeEngine()
+        status, answer = post(tiny_model_dir, engine, path, {**body, "max_tokens": 3})
+        assert status == 400, answer
+        assert answer["error"]["code"] == "context_length_exceeded" and answer["error"]["param"] == param, answer
+        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in answer["error"]["message"]
+        assert engine.requests == []
+    assert max(spy.lengths, default=0) < 100_000, "the long prompt reached the tokenizer"
+
+
+def test_a_long_prompt_that_fits_is_served(tiny_model_dir):
+    """Past the length that is rendered in the event loop, under the context: tokenized (in a
+    thread) and served. One token per byte with the tiny tokenizer."""
+    text = "é" * 300  # 600 tokens (2 bytes each) under 1024: fits with the template, tools and 3 new tokens
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": text * 20}]}),
+                       ("/v1/completions", {"prompt": text * 20})):
+        status, answer = post(tiny_model_dir, FakeEngine(), path, {"model": "fake", **body, "max_tokens": 3})
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer  # 12,000 tokens
+    status, answer = post(tiny_model_dir, FakeEngine(), "/v1/completions",
+                          {"model": "fake", "prompt": text + " " * 9000, "max_tokens": 3})
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"  # tokenized, then refused
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "tools": [tool]}),
+                       ("/v1/completions", {"prompt": text})):
+        status, answer = post(tiny_model_dir, FakeEngine(), path, {"model": "fake", **body, "max_tokens": 3})
+        assert status == 200, answer
+
+
+@given(text=st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=300)
+       | st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "a", " ", "\U0001F600"]),
+                  max_size=60).map("".join),
+       context_length=st.integers(1, 400))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_length_check_never_refuses_a_prompt_that_fits(tiny_renderer, text, context_length):
+    tokens = len(tiny_renderer.tokenizer.encode(text, add_special_tokens=False))
+    try:
+        tiny_renderer.check_prompt_chars(len(text), context_length)
+    except ServingError as exc:
+        assert exc.kind == "context_length_exceeded"
+        assert tokens >= context_length, (tokens, context_length, exc.message)
+
+
+def test_the_bound_per_token_is_the_longest_token_or_none(tiny_renderer):
+    """Byte-level BPE: the longest vocabulary string; a tokenizer that can fold any text into one
+    unknown token gives no bound, so nothing is refused on length alone."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    assert tiny_renderer.max_chars_per_token == len("<|endoftext|>")
+    word_level = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert max_chars_per_token(PreTrainedTokenizerFast(tokenizer_object=word_level)) is None
+    fallback = Tokenizer(models.BPE(vocab={"<0x41>": 0, "▁a": 1, "<unk>": 2}, merges=[], unk_token="<unk>",
+                                    byte_fallback=True))
+    assert max_chars_per_token(PreTrainedTokenizerFast(tokenizer_object=fallback)) == len("<0x41>")
+
+
+def test_rendering_from_several_threads_gives_the_same_ids(tiny_renderer):
+    """Long prompts are rendered in worker threads, several at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    messages = [{"role": "user", "content": "The capital of France is " * 40}]
+    alone = tiny_renderer.render_chat(messages)
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda _: tiny_renderer.render_chat(messages, context_length=MAX_MODEL_LEN),
+                                 range(64)))
+    assert all(ids == alone for ids in together)

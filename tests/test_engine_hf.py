@@ -109,9 +109,10 @@ def test_concurrent_requests_get_their_own_answers(hf_engine, renderer):
 
 def test_context_length_is_checked(hf_engine):
     max_len = hf_engine.model_info().max_model_len
-    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match=f"{max_len}"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "context_length_exceeded", match=f"{max_len}"):
         generate(hf_engine, [1] * 10, max_tokens=max_len)
-    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="maximum context length"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "context_length_exceeded",
+                       match="maximum context length"):
         generate(hf_engine, [1] * max_len, max_tokens=1)
 
 

@@ -175,7 +175,7 @@ def test_lora_adapter_by_name(model_dir, lora_dir, sglang_engine, renderer):
 
 
 def test_context_length_is_checked_before_sending(sglang_engine):
-    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request") as info:
+    with pytest.raises(ServingError, check=lambda e: e.kind == "context_length_exceeded") as info:
         srun(collect(sglang_engine, GenerationRequest("c", [1] * 4000, SamplingParams(max_tokens=200))))
     assert info.value.param == "max_tokens"
 

@@ -228,9 +228,10 @@ def test_schema_vllm_cannot_compile_is_a_bad_request(vllm_engine):
 
 def test_context_length_is_checked(vllm_engine):
     max_len = vllm_engine.model_info().max_model_len
-    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match=f"{max_len}"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "context_length_exceeded", match=f"{max_len}"):
         generate(vllm_engine, [1] * 10, max_tokens=max_len)
-    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="maximum context length"):
+    with pytest.raises(ServingError, check=lambda e: e.kind == "context_length_exceeded",
+                       match="maximum context length"):
         generate(vllm_engine, [1] * max_len, max_tokens=1)
     with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="unknown LoRA adapter 'nope'"):
         generate(vllm_engine, [1] * 10, max_tokens=1, lora_name="nope")

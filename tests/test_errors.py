@@ -10,7 +10,8 @@ from deployments.errors import http_status, to_error_response
 from engines.errors import ErrorKind, ModelLoadError, ServingError
 
 STATUS = {
-    ErrorKind.INVALID_REQUEST: 400, ErrorKind.NOT_SUPPORTED: 400, ErrorKind.AUTHENTICATION: 401,
+    ErrorKind.INVALID_REQUEST: 400, ErrorKind.CONTEXT_LENGTH_EXCEEDED: 400, ErrorKind.NOT_SUPPORTED: 400,
+    ErrorKind.AUTHENTICATION: 401,
     ErrorKind.NOT_FOUND: 404, ErrorKind.METHOD_NOT_ALLOWED: 405, ErrorKind.REQUEST_TOO_LARGE: 413,
     ErrorKind.RATE_LIMITED: 429, ErrorKind.OVERLOADED: 503, ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504,
     ErrorKind.NOT_IMPLEMENTED: 501, ErrorKind.INTERNAL: 500,
