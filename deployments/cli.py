@@ -20,7 +20,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from deployments.cluster_env import PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env
+from deployments.cluster_env import (PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env,
+                                     apply_ray_loopback_env, move_api_key_to_file)
 from deployments.preflight import check_model_sources, preflight
 from deployments.settings import settings
 from engines.config import ConfigError, load_config_file
@@ -30,13 +31,19 @@ def _isolate_a_new_local_cluster(http_port: int) -> None:
     """When `ray.init()` is about to start a local cluster (no `RAY_ADDRESS`, no `ray start`
     cluster) beside another Serve cluster on this machine, give it Serve ports of its own
     (`apply_own_serve_ports_if_taken`), so two `lmserve api` on one machine never answer each
-    other's requests. A cluster that is joined keeps the ports it was started with.
+    other's requests; bind Ray's own ports to loopback unless `LMSERVE_RAY_LOOPBACK=false`
+    (`apply_ray_loopback_env`); and move `API_KEY` into a file only the ingress reads
+    (`move_api_key_to_file`), out of the environment every process of the cluster inherits. A
+    cluster that is joined keeps the ports it was started with.
 
     Raises:
         PortsInUseError: `http_port` is in use, or no free ports were found.
     """
     if not _ray_init_starts_a_local_cluster():
         return
+    if settings().ray_loopback:
+        apply_ray_loopback_env()
+    move_api_key_to_file()
     added = apply_own_serve_ports_if_taken(http_port)
     if added:
         print(f"lmserve: another Ray Serve cluster runs on this machine; this one uses ports "

@@ -1,7 +1,9 @@
 """What a process does to its own environment before it starts a local Ray cluster for Ray Serve:
-Ray Serve's high-throughput mode (`apply_ray_high_throughput_env`) and, when another Serve cluster
+Ray Serve's high-throughput mode (`apply_ray_high_throughput_env`); when another Serve cluster
 runs on this machine, ports of its own (`apply_own_serve_ports_if_taken`,
-`second_cluster_ports_env`). Used by `lmserve serve` / `lmserve api`, the tests and `bench/`.
+`second_cluster_ports_env`); Ray's own ports on loopback (`apply_ray_loopback_env`); the API key
+out of the environment that every process of the cluster inherits (`move_api_key_to_file`).
+Used by `lmserve serve` / `lmserve api`, the tests and `bench/`.
 
 Ray reads these variables in the processes it starts (the Serve controller, the proxies, the
 replicas), so they only take effect when set before the cluster starts.
@@ -9,8 +11,13 @@ replicas), so they only take effect when set before the cluster starts.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
+import sys
+import tempfile
+from pathlib import Path
 from typing import Collection, MutableMapping
 
 from deployments.haproxy import HAPROXY_BINARY_ENV, launcher_path
@@ -28,10 +35,18 @@ from deployments.haproxy import HAPROXY_BINARY_ENV, launcher_path
 # Ray Serve's default of writing every record at once, so replica logs (an SGLang server's
 # output, a model's readiness) show as they happen. A second cluster on the same machine needs
 # its own ports: `second_cluster_ports_env`.
+# A replica being stopped stays reachable for RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S (Ray's
+# default 30 s, for an outside load balancer to deregister it) before it closes its listener. Only
+# lmserve's HAProxy routes to replicas: the controller takes the replica out of HAProxy's config
+# when it starts to stop it, and a request that still reaches the closed listener is refused at
+# connect time and retried on another replica (`retry-on conn-failure`, `option redispatch`). A
+# short period lets an idle server stop within seconds of SIGTERM; its streams still get their
+# `graceful_shutdown_timeout_s`.
 RAY_HIGH_THROUGHPUT_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
 
 
@@ -149,3 +164,65 @@ def _port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+# Ray's switch for clusters of one machine (`ray._private.ray_constants.ENABLE_RAY_CLUSTER`, off by
+# default on macOS and Windows only): with it off, a local cluster's node address is 127.0.0.1,
+# and every Ray process binds its ports to loopback (GCS, raylet, object manager, dashboard agent,
+# metrics export, runtime-env agent, autoscaler monitor, each worker's gRPC server). No other node
+# can join such a cluster: `LMSERVE_RAY_LOOPBACK=false` keeps Ray's default. Ray Serve's own HTTP
+# listeners are not covered: they follow the HTTP host (docs/operations.md, "Ports").
+RAY_LOOPBACK_ENV: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def apply_ray_loopback_env(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Put `RAY_LOOPBACK_ENV` into `environ` where it sets none of it, and return what it set.
+    Call it only when this process is about to start a local cluster (a driver on loopback could
+    not join a cluster on another address) and before `ray.init()`.
+
+    Ray reads the variable once, when its constants are imported; where this process has imported
+    Ray already (the check for a local cluster does), its value is set there too. Checked against
+    Ray 2.60: `ray._private.services.get_node_ip_address()` then answers 127.0.0.1, the address
+    `ray.init()` gives the new node.
+    """
+    added = {k: v for k, v in RAY_LOOPBACK_ENV.items() if k not in environ}
+    environ.update(added)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if added and environ is os.environ and constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+    return added
+
+
+API_KEY_ENV, API_KEY_FILE_ENV = "API_KEY", "API_KEY_FILE"
+
+
+def move_api_key_to_file(environ: MutableMapping[str, str] = os.environ) -> Path | None:
+    """Take `API_KEY` (LLaMA-Factory's variable, comma-separated keys) out of `environ`, so the
+    processes of a Ray cluster started next do not inherit it: the Serve controller, the proxies,
+    HAProxy, every replica and whatever they start (an SGLang server, vLLM's workers). The keys go
+    to a file readable by its owner only (0600, one key per line, in a directory of its own, 0700,
+    removed when this process exits), and `API_KEY_FILE` names it: the ingress reads its keys from
+    there (`IngressSettings.resolve_api_keys`). A path is not a secret.
+
+    Where `API_KEY_FILE` is set already it wins over `API_KEY` (as in the ingress), and `API_KEY` is
+    only removed. Processes of the same OS user can still read the file; what this avoids is the
+    key in the environment of every process, where anything that dumps or passes on its
+    environment leaks it.
+
+    Returns:
+        The file written, or None where `API_KEY` was unset, empty, or `API_KEY_FILE` was set.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    keys = [key.strip() for key in environ.pop(API_KEY_ENV, "").split(",") if key.strip()]
+    if not keys or environ.get(API_KEY_FILE_ENV):
+        return None
+    directory = Path(tempfile.mkdtemp(prefix="lmserve-api-key-"))  # mode 0700
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    path = directory / "api_keys"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write("".join(f"{key}\n" for key in keys))
+    environ[API_KEY_FILE_ENV] = str(path)
+    return path
