@@ -32,7 +32,8 @@ class MediaSettings(BaseSettings):
     """Where images may come from, and how much of them a request may bring.
 
     Defaults are safe for a public endpoint: only data URLs, at most `max_images_per_request`
-    images of at most `max_image_bytes` bytes each. A field not given when the object is built
+    images of at most `max_image_bytes` bytes each and `max_image_pixels_per_request` pixels in
+    all. A field not given when the object is built
     comes from its environment variable, `LMSERVE_` + its name in capitals (e.g.
     `LMSERVE_ALLOW_REMOTE_MEDIA=true`), else its default.
 
@@ -54,6 +55,9 @@ class MediaSettings(BaseSettings):
         10 * 1024 * 1024, gt=0, description="Largest encoded image accepted (bytes).")
     max_images_per_request: int = Field(
         8, ge=1, description="Most images in one request (vLLM's --limit-mm-per-prompt).")
+    max_image_pixels_per_request: int = Field(
+        50_000_000, ge=1, description="Most pixels (width x height) of all images of one request together, "
+        "read from the images' headers before any is decoded (a decoded pixel takes 3-4 bytes).")
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,9 @@ def image_parts(messages: list[dict[str, Any]]) -> list[ImagePart]:
     return parts
 
 
-def decode_image(data: bytes, where: str) -> Any:
-    """Encoded image bytes -> a fully decoded `PIL.Image` (mode kept; see `fit_pixels`).
+def open_image(data: bytes, where: str) -> Any:
+    """Encoded image bytes -> a `PIL.Image` whose header only is read (size and mode known, the
+    pixels not decoded yet: `decode_image`).
 
     Raises:
         ServingError(INVALID_REQUEST): not an image PIL can read, or a decompression bomb (PIL's
@@ -100,12 +105,29 @@ def decode_image(data: bytes, where: str) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            image.load()
+            return Image.open(io.BytesIO(data))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
-        raise ServingError.invalid_request(f"{where}: cannot decode the image: {type(exc).__name__}: {exc}",
-                                           param="messages") from None
+        raise _undecodable(where, exc) from None
+
+
+def decode_image(data: bytes | Any, where: str) -> Any:
+    """Encoded image bytes, or an image from `open_image` -> a fully decoded `PIL.Image` (mode
+    kept; see `fit_pixels`).
+
+    Raises:
+        ServingError(INVALID_REQUEST): as `open_image`, or pixel data that does not decode.
+    """
+    image = open_image(data, where) if isinstance(data, bytes) else data
+    try:
+        image.load()
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise _undecodable(where, exc) from None
     return image
+
+
+def _undecodable(where: str, exc: BaseException) -> ServingError:
+    return ServingError.invalid_request(f"{where}: cannot decode the image: {type(exc).__name__}: {exc}",
+                                        param="messages")
 
 
 def fit_pixels(image: Any, max_pixels: int, min_pixels: int) -> Any:
@@ -134,19 +156,34 @@ class ImageLoader:
         self.settings = settings or MediaSettings()
 
     async def load(self, parts: list[ImagePart]) -> list[Any]:
-        """Fetch and decode every part (remote ones concurrently); `PIL.Image`s in order.
+        """Fetch every part (remote ones concurrently), read the images' headers, and decode
+        them only when their pixels together are within `max_image_pixels_per_request`;
+        `PIL.Image`s in order. Decoding runs in a worker thread.
 
         Raises:
-            ServingError(INVALID_REQUEST): too many images, a source that is not allowed, a fetch that
-                fails, times out or is too large, or bytes that are not an image.
+            ServingError(INVALID_REQUEST): too many images or pixels, a source that is not
+                allowed, a fetch that fails, times out or is too large, or bytes that are not an
+                image.
         """
         limit = self.settings.max_images_per_request
         if len(parts) > limit:
             raise ServingError.invalid_request(f"the request has {len(parts)} images; at most {limit} are allowed per "
                                                "request", param="messages")
-        return list(await asyncio.gather(*(self._load_one(part) for part in parts)))
+        data = await asyncio.gather(*(self._fetch(part) for part in parts))
+        return await asyncio.to_thread(self._decode_all, parts, data)
 
-    async def _load_one(self, part: ImagePart) -> Any:
+    def _decode_all(self, parts: list[ImagePart], data: list[bytes]) -> list[Any]:
+        images = [open_image(d, part.where) for part, d in zip(parts, data)]
+        pixels = sum(image.width * image.height for image in images)
+        limit = self.settings.max_image_pixels_per_request
+        if pixels > limit:
+            sizes = ", ".join(f"{image.width}x{image.height}" for image in images)
+            raise ServingError.invalid_request(
+                f"the request's images have {pixels} pixels ({sizes}); at most {limit} are allowed per request "
+                "(media.max_image_pixels_per_request)", param="messages")
+        return [decode_image(image, part.where) for part, image in zip(parts, images)]
+
+    async def _fetch(self, part: ImagePart) -> bytes:
         url = part.url
         if url.startswith("data:"):
             data = self._from_data_url(part)
@@ -157,7 +194,7 @@ class ImageLoader:
         else:
             raise ServingError.invalid_request(f"{part.where}: unsupported image URL {url[:60]!r}; use a data URL "
                                                "(data:image/png;base64,...)", param="messages")
-        return await asyncio.to_thread(decode_image, data, part.where)
+        return data
 
     def _too_large(self, part: ImagePart, size: int) -> ServingError:
         return ServingError.invalid_request(

@@ -131,3 +131,22 @@ def test_settings_come_from_the_environment(monkeypatch):
 def test_fit_pixels_mirrors_llamafactory(size, expected):
     image = fit_pixels(Image.new("L", size), max_pixels=1000 * 500, min_pixels=1000)
     assert image.size == expected and image.mode == "RGB"
+
+
+def test_pixels_of_all_images_are_bounded_per_request_before_decoding(monkeypatch):
+    """Eight images just within PIL's own bound would take gigabytes decoded: their pixels
+    together are checked from their headers first, and none is decoded when they are too many."""
+    import engines.media
+
+    decoded = []
+    decode = engines.media.decode_image
+    monkeypatch.setattr(engines.media, "decode_image",
+                        lambda image, where: decoded.append(where) or decode(image, where))
+    url = data_url(png_bytes((1, 2, 3), (100, 50)))  # 5,000 pixels
+    assert len(load([url] * 2, max_image_pixels_per_request=10_000)) == 2
+    assert len(decoded) == 2
+    decoded.clear()
+    err = load_error([url] * 3, max_image_pixels_per_request=10_000)
+    assert "15000 pixels (100x50, 100x50, 100x50); at most 10000" in err.message
+    assert decoded == []
+    assert MediaSettings().max_image_pixels_per_request == 50_000_000
