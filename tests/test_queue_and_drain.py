@@ -58,7 +58,8 @@ def test_queue_timeout_zero_means_no_bound_but_the_deadline(tiny_model_dir):
 
 
 def test_a_drain_refuses_new_requests_and_ends_running_streams_with_an_error_event_then_done(tiny_model_dir):
-    engine = FakeEngine(Reply(LONG, delay_s=0.02))
+    # max_tokens 7 marks a request queued behind a full batch: its first token would come after 5 s
+    engine = FakeEngine(lambda request: Reply(LONG, delay_s=5.0 if request.sampling_params.max_tokens == 7 else 0.02))
 
     async def main():
         app = await build_fake_app(engine, tiny_model_dir, backpressure_config={"retry_after_s": 2})
@@ -67,14 +68,16 @@ def test_a_drain_refuses_new_requests_and_ends_running_streams_with_an_error_eve
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t", timeout=30) as http:
             running = asyncio.create_task(post(http, "/v1/chat/completions", {**CHAT, "stream": True}))
             waiting = asyncio.create_task(post(http, "/v1/chat/completions", CHAT))
-            while len(engine.requests) < 2:
+            queued = asyncio.create_task(post(http, "/v1/chat/completions", {**CHAT, "max_tokens": 7, "stream": True}))
+            while len(engine.requests) < 3:
                 await asyncio.sleep(0.005)
             router.drain(asyncio.get_running_loop().time() + 0.3, retry_after_s=2)
             refused = await post(http, "/v1/chat/completions", {**CHAT, "stream": True})
-            return await running, await waiting, refused
+            return await running, await waiting, await queued, refused
 
-    running, waiting, refused = asyncio.run(main())
-    for r in (refused, waiting):  # new, and not answered yet (non-streamed): 503 + Retry-After
+    running, waiting, queued, refused = asyncio.run(main())
+    # new, not answered yet (non-streamed), still without a token (streamed): 503 + Retry-After
+    for r in (refused, waiting, queued):
         assert r.status_code == 503 and r.headers["retry-after"] == "2"
         assert "server is shutting down" in assert_openai_error(r.json(), "service_unavailable")["message"]
     assert running.status_code == 200
@@ -82,8 +85,8 @@ def test_a_drain_refuses_new_requests_and_ends_running_streams_with_an_error_eve
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     assert "server is shutting down" in assert_openai_error(events[-2], "service_unavailable")["message"]
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2] if e.get("choices"))
-    assert sorted(engine.cancelled) == sorted(r.request_id for r in engine.requests)  # both left the engine
-    assert len(engine.requests) == 2  # the new one was refused before the engine
+    assert sorted(engine.cancelled) == sorted(r.request_id for r in engine.requests)  # all left the engine
+    assert len(engine.requests) == 3  # the new one was refused before the engine
 
 
 def serve_details(app_status="RUNNING", states=("RUNNING", "RUNNING")):
