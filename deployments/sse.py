@@ -33,6 +33,10 @@ def response_headers(backend: str) -> dict[str, str]:
     return {"x-lmserve-backend": backend}
 
 
+class ClientReadTimeoutError(Exception):
+    """A body part waited longer than the response's `client_read_timeout_s` to be sent."""
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """A `StreamingResponse` that writes its first body part at once, ends a stream whose client
     stopped reading, and closes the generation behind it when the response ends, however it
@@ -58,8 +62,11 @@ class ClosingStreamingResponse(StreamingResponse):
         self._client_read_timeout_s = client_read_timeout_s
 
     async def _send_part(self, send: Any, message: dict) -> None:
-        with anyio.fail_after(self._client_read_timeout_s):
-            await send(message)
+        try:
+            with anyio.fail_after(self._client_read_timeout_s):
+                await send(message)
+        except TimeoutError:
+            raise ClientReadTimeoutError from None
 
     async def stream_response(self, send: Any) -> None:
         # Starlette's, less the response start: `__call__` has sent it with the first body part.
@@ -80,7 +87,7 @@ class ClosingStreamingResponse(StreamingResponse):
                 await self._send_part(send, {"type": "http.response.body", "body": first.encode(self.charset),
                                              "more_body": True})
             await super().__call__(scope, receive, send)
-        except TimeoutError:
+        except ClientReadTimeoutError:
             # Returning without the body's end makes the server close the connection: the
             # client reads an incomplete body, never a stream that looks finished.
             logger.warning("a streaming client read nothing for %.0f s: its stream is closed",
