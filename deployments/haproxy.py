@@ -65,7 +65,6 @@ from typing import Callable, TextIO
 
 from pydantic import ValidationError
 
-from deployments.constants import RETRY_AFTER_S
 from deployments.settings import Settings, settings
 
 #: HAProxy's command-line flag that disables kernel TCP splicing (= `nosplice` in `global`).
@@ -266,6 +265,13 @@ ERROR_PAGES: dict[int, tuple[str, str, str | None, str]] = {
 }
 
 
+def retry_after() -> str:
+    """The `Retry-After` value (seconds) of HAProxy's 503s: lmserve's own (`RETRY_AFTER_S`)."""
+    from deployments.constants import RETRY_AFTER_S  # reads the settings when imported
+
+    return f"{RETRY_AFTER_S:g}"
+
+
 def openai_error_body(message: str, kind: str, code: str | None = None) -> str:
     """OpenAI's error body as compact JSON (`deployments.protocol.ErrorResponse`)."""
     from deployments.protocol import ErrorInfo, ErrorResponse
@@ -281,7 +287,7 @@ def error_page(status: int, s: Settings) -> bytes:
     head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {len(body)}",
             "Cache-Control: no-cache"]
     if status == 503:
-        head.append(f"Retry-After: {RETRY_AFTER_S:g}")
+        head.append(f"Retry-After: {retry_after()}")
     return "\r\n".join([*head, "", ""]).encode() + body
 
 
@@ -319,7 +325,7 @@ def unavailable_without_routes(lines: list[str], s: Settings, pages: Path) -> No
         body = openai_error_body("The server is starting or stopping: no model is deployed; retry later.",
                                  "service_unavailable")
         answer = (f"http-request return status 503 content-type application/json "
-                  f"hdr Retry-After {RETRY_AFTER_S:g} string '{body}'")
+                  f"hdr Retry-After {retry_after()} string '{body}'")
     for i in returns:
         lines[i] = f"    {answer}"
 

@@ -388,3 +388,12 @@ def test_stats_and_metrics_on_loopback_and_admin_socket_owner_only(start_haproxy
     while not os.path.exists(socket_path) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
+
+
+def test_a_setting_that_does_not_parse_stops_the_launcher_with_one_line(tmp_path):
+    config = render_ray_config(tmp_path, free_port(), [free_port()])
+    done = subprocess.run([LAUNCHER, "-db", "-f", str(config)], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, HAPROXY_BINARY_ENV: LAUNCHER, "LMSERVE_HAPROXY_RETRIES": "once"})
+    assert done.returncode != 0
+    assert done.stderr.count("\n") == 1 and "haproxy_retries" in done.stderr
+    assert not config.read_text().startswith(ADAPTED_MARK)
