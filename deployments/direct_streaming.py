@@ -9,9 +9,12 @@ the ingress), and the layout of vLLM's own server, whose API process holds the e
 In Ray Serve's high-throughput mode HAProxy then forwards each request straight to a model
 replica (least connections first).
 
-What changes for clients: nothing in the API. What it gives up: a replica that dies before the
-first token is no longer retried on another one (the connection to it is gone), and requests
-are spread by HAProxy's least-connections rule rather than Ray Serve's queue-length router.
+What changes for clients: nothing in the API. A replica that dies before it has answered a byte
+(a non-streamed request, a stream before its first token: the status line waits for it) is not
+retried here but by HAProxy, on another replica (`retry-on empty-response`, set by
+`lmserve-haproxy`); one that dies mid-stream aborts the response, which HTTP clients see as an
+error. What it gives up: requests are spread by HAProxy's least-connections rule rather than
+Ray Serve's queue-length router.
 The model deployment's `max_ongoing_requests` + `max_queued_requests` still bound what a replica
 takes: beyond that it answers 503 with `Retry-After` in OpenAI's error shape at once.
 """
