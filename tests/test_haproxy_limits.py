@@ -347,6 +347,34 @@ def test_no_application_is_503_with_retry_after(start_haproxy):
     assert "starting or stopping" in _openai_error(response)["message"]
 
 
+def test_a_path_no_application_serves_is_404_in_openai_shape(tmp_path):
+    replica = _replica("a")
+    proxy = _HAProxy(tmp_path, [replica])
+    try:
+        config = proxy.config.read_text()
+        proxy.stop()
+        # The same application at /app (the adapted config, which is not adapted again): Ray's
+        # template routes other paths to its default_backend.
+        proxy.config.write_text(config.replace("path_beg /\n", "path_beg /app/\n").replace("path /\n", "path /app\n"))
+        proxy.proc = subprocess.Popen([LAUNCHER, "-db", "-f", str(proxy.config)], stderr=subprocess.DEVNULL,
+                                      env={**os.environ, HAPROXY_BINARY_ENV: LAUNCHER})
+        answer = b""
+        deadline = time.monotonic() + 15
+        while not answer.startswith(b"HTTP/1.1 404 ") and time.monotonic() < deadline:
+            try:
+                answer = _raw(proxy.port, b'GET /v1/x\\"y HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n')
+            except OSError:
+                time.sleep(0.05)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 404 "), answer
+        error = json.loads(body)["error"]
+        assert error["code"] == "not_found" and error["message"] == 'No route for path /v1/x\\"y'
+    finally:
+        proxy.stop()
+        replica.shutdown()
+        replica.server_close()
+
+
 def test_a_replica_that_dies_before_answering_is_retried_on_another(start_haproxy):
     proxy, (dying, alive) = start_haproxy({"dying": True, "alive": False})
     with httpx.Client(timeout=30) as client:
