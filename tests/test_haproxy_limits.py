@@ -154,7 +154,7 @@ def test_a_changed_template_keeps_rays_lines_and_says_so(ray_config, tmp_path):
 
 class _Replica(http.server.BaseHTTPRequestHandler):
     """A stand-in for a model replica's HTTP server: answers Ray's health check, echoes each
-    request as JSON (`replica`, `x-request-id`, body length); `GET /stream` sends four SSE
+    request as JSON (`replica`, `x-request-id`, body length); `GET /stream` sends three SSE
     events `gap` s apart. A replica whose server has `dies` closes every other request's
     connection without answering, as a replica killed before its first byte."""
 
@@ -182,7 +182,7 @@ class _Replica(http.server.BaseHTTPRequestHandler):
             self.send_header("content-type", "text/event-stream")
             self.send_header("transfer-encoding", "chunked")
             self.end_headers()
-            for i in range(4):
+            for i in range(3):
                 time.sleep(float(self.path.partition("gap=")[2]))
                 event = f"data: {i}\n\n".encode()
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
@@ -398,8 +398,8 @@ def test_request_id_that_is_not_printable_ascii_is_replaced(start_haproxy):
 def test_live_stream_outlasts_the_client_timeout(start_haproxy):
     proxy, _ = start_haproxy(LMSERVE_HAPROXY_TIMEOUT_CLIENT_S="1")
     assert "    timeout client 1s\n" in proxy.config.read_text()  # Ray's is an hour
-    events = httpx.get(f"{proxy.url}/stream?gap=1.5", timeout=30).text
-    assert events == "".join(f"data: {i}\n\n" for i in range(4))
+    events = httpx.get(f"{proxy.url}/stream?gap=1.3", timeout=30).text
+    assert events == "".join(f"data: {i}\n\n" for i in range(3))
 
 
 def test_stats_and_metrics_on_loopback_and_admin_socket_owner_only(start_haproxy):
