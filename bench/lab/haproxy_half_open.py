@@ -11,7 +11,9 @@ that failed or took longer than `--timeout`, and how many of the half-open conne
 closed at once (over the per-address limit) and within the request timeout
 (`LMSERVE_HAPROXY_TIMEOUT_HTTP_REQUEST_S` + 5 s). Loopback only; sockets are bounded by
 `--connections` (keep it under this process's open-file limit). With `--variant ray` the
-requests under attack wait out `--timeout` each: give it few (`--requests 10`).
+requests under attack wait out `--timeout` each: give it few (`--requests 10`). `--port 8000`
+attacks a server already running on this machine instead (`lmserve api`; `GET /health`, which
+needs no API key).
 """
 
 from __future__ import annotations
@@ -78,11 +80,11 @@ def _ray_config(folder: Path, port: int, replica_port: int) -> Path:
     return folder / "haproxy.cfg"
 
 
-def _latencies(port: int, n: int, timeout_s: float) -> list[float]:
-    """Seconds per `GET /v1/models` through HAProxy, each on a new connection (plain sockets: an
+def _latencies(port: int, path: str, n: int, timeout_s: float) -> list[float]:
+    """Seconds per `GET <path>` on 127.0.0.1:`port`, each on a new connection (plain sockets: an
     HTTP client library's own set-up would dominate the time); `inf` for one that failed or
     timed out."""
-    request = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
     out = []
     for _ in range(n):
         started = time.perf_counter()
@@ -119,7 +121,47 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
+def attack(port: int, path: str, label: str, connections: int, requests: int, timeout_s: float) -> None:
+    """Measure `requests` GETs of `path` on a quiet server, then while `connections` half-open
+    connections from `ATTACKER` are held, and print the summary."""
+    held: list[socket.socket] = []
+    try:
+        quiet = _latencies(port, path, requests, timeout_s)
+        for _ in range(connections):
+            sock = socket.socket()
+            sock.bind((ATTACKER, 0))
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+            held.append(sock)
+        time.sleep(0.5)
+        for sock in held:
+            try:
+                sock.send(b"POST /v1/chat/comp")
+            except OSError:
+                pass
+        attacked_at = time.monotonic()
+        time.sleep(1)  # let HAProxy close what it refuses: measure while the rest are held
+        under_attack = _latencies(port, path, requests, timeout_s)
+        closed_at_once = sum(_closed(s) for s in held)
+        window = Settings().haproxy_timeout_http_request_s + 5
+        time.sleep(max(0.0, window - (time.monotonic() - attacked_at)))
+        closed_later = sum(_closed(s) for s in held)
+    finally:
+        for sock in held:
+            sock.close()
+    print(f"{label}: {connections} half-open connections from {ATTACKER}, {requests} requests "
+          f"GET {path} from 127.0.0.1 (timeout {timeout_s:g} s)")
+    print(f"  quiet         {_summary(quiet)}")
+    print(f"  under attack  {_summary(under_attack)}")
+    q = statistics.median([x for x in quiet if x != float("inf")] or [float("nan")])
+    a = statistics.median([x for x in under_attack if x != float("inf")] or [float("nan")])
+    print(f"  p50 ratio     {a / q:.2f}")
+    print(f"  half-open closed by the server: {closed_at_once} after the requests, {closed_later} within {window} s")
+
+
 def run(variant: str, connections: int, requests: int, timeout_s: float) -> None:
+    """`attack` HAProxy on Ray's config in front of a stand-in replica: through `lmserve-haproxy`
+    (`variant` "lmserve") or as Ray wrote it ("ray")."""
     replica = _ReplicaServer(("127.0.0.1", 0), _Replica)
     threading.Thread(target=replica.serve_forever, daemon=True).start()
     port = free_port()
@@ -129,45 +171,14 @@ def run(variant: str, connections: int, requests: int, timeout_s: float) -> None
         binary = launcher if variant == "lmserve" else real_haproxy_binary()
         proc = subprocess.Popen([binary, "-db", "-f", str(config)], env={**os.environ, HAPROXY_BINARY_ENV: launcher},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        held: list[socket.socket] = []
         try:
             deadline = time.monotonic() + 15
-            while _latencies(port, 1, 1)[0] == float("inf"):
+            while _latencies(port, "/v1/models", 1, 1)[0] == float("inf"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"HAProxy did not start (exit status {proc.poll()})")
                 time.sleep(0.1)
-            quiet = _latencies(port, requests, timeout_s)
-            for _ in range(connections):
-                sock = socket.socket()
-                sock.bind((ATTACKER, 0))
-                sock.setblocking(False)
-                sock.connect_ex(("127.0.0.1", port))
-                held.append(sock)
-            time.sleep(0.5)
-            for sock in held:
-                try:
-                    sock.send(b"POST /v1/chat/comp")
-                except OSError:
-                    pass
-            attacked_at = time.monotonic()
-            time.sleep(1)  # let HAProxy close what it refuses: measure while the rest are held
-            under_attack = _latencies(port, requests, timeout_s)
-            closed_at_once = sum(_closed(s) for s in held)
-            wait = Settings().haproxy_timeout_http_request_s + 5 - (time.monotonic() - attacked_at)
-            time.sleep(max(0.0, wait))
-            closed_later = sum(_closed(s) for s in held)
-            print(f"variant {variant}: {connections} half-open connections from {ATTACKER}, "
-                  f"{requests} requests from 127.0.0.1 (timeout {timeout_s:g} s)")
-            print(f"  quiet         {_summary(quiet)}")
-            print(f"  under attack  {_summary(under_attack)}")
-            q = statistics.median([x for x in quiet if x != float("inf")] or [float("nan")])
-            a = statistics.median([x for x in under_attack if x != float("inf")] or [float("nan")])
-            print(f"  p50 ratio     {a / q:.2f}")
-            print(f"  half-open closed by HAProxy: {closed_at_once} after the requests, "
-                  f"{closed_later} within {Settings().haproxy_timeout_http_request_s + 5} s")
+            attack(port, "/v1/models", f"variant {variant}", connections, requests, timeout_s)
         finally:
-            for sock in held:
-                sock.close()
             proc.terminate()
             proc.wait(10)
             replica.shutdown()
@@ -178,11 +189,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=("lmserve", "ray"), default="lmserve",
                         help="lmserve: through lmserve-haproxy; ray: Ray's config as Ray wrote it")
+    parser.add_argument("--port", type=int, help="instead: attack a server already listening on 127.0.0.1:PORT "
+                        "(e.g. `lmserve api`), requesting `--path`")
+    parser.add_argument("--path", default="/health", help="with --port: the path of the short requests")
     parser.add_argument("--connections", type=int, default=4200)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=5.0, help="per request, seconds")
     args = parser.parse_args()
-    run(args.variant, args.connections, args.requests, args.timeout)
+    if args.port:
+        attack(args.port, args.path, f"127.0.0.1:{args.port}", args.connections, args.requests, args.timeout)
+    else:
+        run(args.variant, args.connections, args.requests, args.timeout)
 
 
 if __name__ == "__main__":
