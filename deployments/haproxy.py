@@ -36,7 +36,9 @@ and on every reload) in place (`adapt_config`), one named step each (`REWRITES`)
 - `retry_once`: a request whose replica refused it or closed without a byte is sent once more, to
   another replica (`retry-on conn-failure empty-response`, `retries 1`, Ray's `option redispatch`);
 - `openai_error_pages`: HAProxy's own 400/408/500/502/503/504 answers in OpenAI's error shape (Ray
-  writes a plain-text 500 for 502-504), 503 with `Retry-After`;
+  writes a plain-text 500 for 502-504), 503 with `Retry-After` (HAProxy 2.8 answers its request
+  parser's 400s, malformed or oversize headers, with its built-in page all the same:
+  haproxy/haproxy#3032, fixed in 3.2);
 - `unavailable_without_routes`: Ray's "no route" answer (`404 Path '...' not found`, from its
   `default_backend`) becomes 503 + `Retry-After` while no application is deployed (start-up, a
   drain), and a 404 in OpenAI's shape otherwise;
@@ -129,7 +131,7 @@ def stop_with_parent(sig: int = signal.SIGTERM) -> None:
 
 #: The first line of a config file this launcher has adapted: it is adapted once.
 ADAPTED_MARK = "# adapted by lmserve-haproxy (deployments/haproxy.py)"
-#: File descriptors HAProxy keeps besides two per connection (listeners, servers, logs, checks).
+#: File descriptors HAProxy needs besides those per connection (listeners, servers, logs, checks).
 FD_RESERVE = 1000
 
 
