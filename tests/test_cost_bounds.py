@@ -166,3 +166,20 @@ def test_rendering_from_several_threads_gives_the_same_ids(tiny_renderer):
         together = list(pool.map(lambda _: tiny_renderer.render_chat(messages, context_length=MAX_MODEL_LEN),
                                  range(64)))
     assert all(ids == alone for ids in together)
+
+
+@pytest.mark.slow
+@given(pieces=st.lists(st.sampled_from(["\n" + " " * 80, " " * 64, "\t" * 30, "=" * 40, "a", " the", "é", "\U0001F600",
+                                        "<|im_start|>", "<|im_end|>", "def f(x):\n    return x\n"]), max_size=400)
+       | st.text(max_size=2000),
+       context_length=st.integers(1, 40))
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_length_check_never_refuses_a_prompt_that_fits_with_the_default_models_tokenizer(renderer, pieces,
+                                                                                             context_length):
+    """The real vocabulary's longest tokens (runs of whitespace) are the tight case."""
+    text = pieces if isinstance(pieces, str) else "".join(pieces)
+    tokens = len(renderer.tokenizer.encode(text, add_special_tokens=False))
+    try:
+        renderer.check_prompt_chars(len(text), context_length)
+    except ServingError:
+        assert tokens >= context_length, (tokens, context_length, len(text))
