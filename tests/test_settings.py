@@ -48,6 +48,15 @@ def test_ingress_settings_from_args_keep_the_environment_for_the_rest(monkeypatc
         IngressSettings.model_validate({"media": {"max_image_byte": 1}})
 
 
+def test_client_read_timeout_from_args_or_the_environment(monkeypatch):
+    monkeypatch.setenv("LMSERVE_CLIENT_READ_TIMEOUT_S", "12")
+    assert Settings().client_read_timeout_s == 12
+    app_args, _ = parse_args({"models": [{"model_name_or_path": "m"}], "client_read_timeout_s": 5})
+    assert IngressSettings.model_validate(app_args.ingress_settings()).client_read_timeout_s == 5
+    with pytest.raises(ConfigError, match="client_read_timeout_s"):
+        parse_args({"models": [{"model_name_or_path": "m"}], "client_read_timeout_s": 0})
+
+
 def test_defaults_are_constants_not_environment_reads():
     # Replica counts, resources and health checks are set per model in `deployment`, not by variables.
     hf = constants.MODEL_DEPLOYMENT_DEFAULTS["huggingface"]
