@@ -42,6 +42,9 @@ and on every reload) in place (`adapt_config`), one named step each (`REWRITES`)
 - `unavailable_without_routes`: Ray's "no route" answer (`404 Path '...' not found`, from its
   `default_backend`) becomes 503 + `Retry-After` while no application is deployed (start-up, a
   drain), and a 404 in OpenAI's shape otherwise;
+- `unavailable_from_fallback`: the same 404 from Ray's Serve proxy, where HAProxy sends an
+  application's requests while none of its replicas is up (all draining), becomes 503 +
+  `Retry-After` in OpenAI's shape;
 - `fresh_request_id`: an `x-request-id` that is not printable ASCII is replaced by a fresh id
   (Ray's replica decodes it as UTF-8 and answers 500 before lmserve's code runs);
 - `admin_on_loopback`: the stats page and the Prometheus endpoint listen on 127.0.0.1, the admin
@@ -332,6 +335,24 @@ def unavailable_without_routes(lines: list[str], s: Settings, pages: Path) -> No
         lines[i] = f"    {answer}"
 
 
+def unavailable_from_fallback(lines: list[str], s: Settings, pages: Path) -> None:
+    """An application's backend sends requests to the head node's Serve proxy (its `backup`
+    server) while none of its replicas passes HAProxy's health check, as when every replica
+    drains (a replica being stopped reports DRAINING at once). The application is being deleted
+    then, and the proxy answers `404 Path '...' not found` in plain text: that becomes 503 +
+    `Retry-After` in OpenAI's shape."""
+    body = openai_error_body("The server is starting or stopping: no replica is ready; retry later.",
+                             "service_unavailable")
+    # no backup server (no application, or no proxy on the head node): nothing to change
+    backups = [i for i, line in enumerate(lines) if re.match(r"\s*server \S+ \S+ check backup\s*$", line)]
+    for i in reversed(backups):
+        name = lines[i].split()[1]
+        header = max(j for j in range(i) if lines[j].startswith("backend "))
+        _insert(lines, header + 1, [
+            f"http-response return status 503 content-type application/json hdr Retry-After {retry_after()} "
+            f"string '{body}' if {{ status 404 }} {{ srv_name {name} }}"])
+
+
 def fresh_request_id(lines: list[str], s: Settings, pages: Path) -> None:
     """Replace an `x-request-id` header that is not printable ASCII with a fresh id: Ray's
     replica decodes the header as UTF-8 and answers a plain-text 500 to any request whose id
@@ -368,6 +389,7 @@ REWRITES: list[tuple[str, Callable[[list[str], Settings, Path], None]]] = [
     ("retry_once", retry_once),
     ("openai_error_pages", openai_error_pages),
     ("unavailable_without_routes", unavailable_without_routes),
+    ("unavailable_from_fallback", unavailable_from_fallback),
     ("admin_on_loopback", admin_on_loopback),
 ]
 

@@ -146,7 +146,7 @@ def test_a_changed_template_keeps_rays_lines_and_says_so(ray_config, tmp_path):
     assert log.getvalue().count("\n") == 1 and "retry_once not applied" in log.getvalue()
     assert not re.search(r"^\s*retries ", _section(out, "defaults"), re.M)  # as Ray wrote it
     assert "timeout http-request 10s" in out  # the other steps still apply
-    assert len(REWRITES) == 7
+    assert len(REWRITES) == 8
 
 
 # --- the real HAProxy through the launcher ---------------------------------------------------

@@ -104,3 +104,35 @@ def test_a_replica_drains_when_it_is_stopping_or_its_application_is_deleted():
     assert not is_stopping(serve_details(states=("STOPPING", "RUNNING")), "app", "D", "r1")
     assert is_stopping(serve_details(app_status="DELETING"), "app", "D", "r1")  # SIGTERM of lmserve serve/api
     assert is_stopping({"applications": {}}, "app", "D", "r0")  # deleted already
+
+
+def test_haproxy_answers_503_for_the_serve_proxy_s_404_while_every_replica_drains(tmp_path):
+    """Ray's config sends an application's requests to the head node's Serve proxy (a `backup`
+    server) while no replica passes the health check, as when all drain; the proxy's plain-text
+    404 becomes 503 + `Retry-After` in OpenAI's shape, and HAProxy accepts the config."""
+    import subprocess
+
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    from deployments.haproxy import adapt_config, real_haproxy_binary
+    from deployments.settings import Settings
+    from engines.server_process import free_port
+
+    config = HAProxyConfig(
+        socket_path=str(tmp_path / "admin.sock"), server_state_base=str(tmp_path),
+        server_state_file=str(tmp_path / "server-state"), stats_port=free_port(), metrics_port=free_port(),
+        http_options=HTTPOptions(host="127.0.0.1", port=free_port()), metrics_socket_path=str(tmp_path / "m.sock"),
+        has_received_routes=True, has_received_servers=True)
+    backend = BackendConfig(name="app", path_prefix="/", app_name="app",
+                            servers=[ServerConfig(name="replica0", host="127.0.0.1", port=30001)],
+                            fallback_server=ServerConfig(name="fallback", host="127.0.0.1", port=8500))
+    HAProxyApi(config, {"app": backend}, config_file_path=str(tmp_path / "ray.cfg"))._generate_config_file_internal()
+    adapted = adapt_config((tmp_path / "ray.cfg").read_text(), Settings(), tmp_path)
+    [rule] = [line.strip() for line in adapted.splitlines() if "srv_name fallback" in line]
+    assert rule.startswith("http-response return status 503 content-type application/json hdr Retry-After 1 string '")
+    assert rule.endswith("' if { status 404 } { srv_name fallback }") and '"type":"service_unavailable"' in rule
+    (tmp_path / "adapted.cfg").write_text(adapted)
+    check = subprocess.run([real_haproxy_binary(), "-c", "-f", str(tmp_path / "adapted.cfg")], capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
