@@ -41,8 +41,13 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from engines.base import SamplingParams
+from engines.errors import ServingError
 
 logger = logging.getLogger(__name__)
+
+# What a request still queued or running gets when the batcher stops (the replica shutting
+# down): UNAVAILABLE, a 503 the client may retry elsewhere, not an internal error.
+ENGINE_SHUT_DOWN = "the engine has shut down; retry later"
 
 # (choice index, token id, finish reason or None, stop reason or None, logprobs or None) where
 # logprobs = (log-probability of the token, [(token id, log-probability), ...] top alternatives)
@@ -260,7 +265,7 @@ class ContinuousBatcher:
                 self._waiting.append(request)
                 self._wake.notify_all()
         if stopped:
-            request.emit(RuntimeError("engine shut down"))
+            request.emit(ServingError.unavailable(ENGINE_SHUT_DOWN))
 
     def _note_idle_start(self, now: float) -> None:
         """A request reached an idle engine: count the previous idle start if it was lone."""
@@ -324,7 +329,7 @@ class ContinuousBatcher:
                 self._rows, self._cache, self._mask, self._next_tokens = [], None, None, None
                 self._prefilling = None
         for request in list(self._waiting) + self._admitted_requests():
-            request.emit(RuntimeError("engine shut down"))
+            request.emit(ServingError.unavailable(ENGINE_SHUT_DOWN))
 
     def _admitted_requests(self) -> list[BatchRequest]:
         """Every request in the batch or being prefilled, once each."""

@@ -8,6 +8,7 @@ import torch
 
 from engines.base import SamplingParams
 from engines.continuous_batching import BatchRequest, ContinuousBatcher
+from engines.errors import ErrorKind, ServingError
 
 PROMPT_LENGTHS = (40, 13, 27)  # left-padded to 40, beyond the 16-token window
 
@@ -138,5 +139,6 @@ def test_a_request_submitted_after_stop_fails_at_once(sliding_window_model):
     got = []
     batcher.submit(BatchRequest("late", _prompt(0, 5), SamplingParams(temperature=0), 4, set(), torch.Generator(),
                                 got.append))
-    assert len(got) == 1 and isinstance(got[0], RuntimeError) and "shut down" in str(got[0])
+    assert len(got) == 1 and isinstance(got[0], ServingError) and "shut down" in str(got[0])
+    assert got[0].kind == ErrorKind.UNAVAILABLE  # a 503 to retry, not an internal error
     assert batcher.num_waiting == 0
