@@ -61,6 +61,10 @@ class AppArgs(BaseModel):
     client_read_timeout_s: float | None = Field(
         None, gt=0, description="A streaming client that reads nothing for this long (seconds) loses its stream "
         "and its generation; default: `LMSERVE_CLIENT_READ_TIMEOUT_S`.")
+    queue_timeout_s: float | None = Field(
+        None, ge=0, description="A request that has had no token this long (seconds) after it reached the model "
+        "gets 503 + `Retry-After` and leaves the engine's queue; 0: no bound but `request_timeout_s`; default: "
+        "`LMSERVE_QUEUE_TIMEOUT_S`.")
     log_prompts: bool | None = Field(
         None, description="Debug only: log prompts and completions; default: `LMSERVE_LOG_PROMPTS`.")
     media: dict[str, Any] | None = Field(
@@ -79,7 +83,7 @@ class AppArgs(BaseModel):
         """The `IngressSettings` fields that are set here; the rest come from the environment
         of the ingress replica."""
         fields = ("api_keys", "api_key_file", "cors_allow_origins", "max_request_body_bytes",
-                  "request_timeout_s", "client_read_timeout_s", "log_prompts", "media")
+                  "request_timeout_s", "client_read_timeout_s", "queue_timeout_s", "log_prompts", "media")
         return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 

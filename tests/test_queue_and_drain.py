@@ -136,3 +136,16 @@ def test_haproxy_answers_503_for_the_serve_proxy_s_404_while_every_replica_drain
     check = subprocess.run([real_haproxy_binary(), "-c", "-f", str(tmp_path / "adapted.cfg")], capture_output=True,
                            text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_queue_timeout_from_args_or_the_environment(monkeypatch):
+    from deployments.app import parse_args
+    from deployments.settings import IngressSettings, Settings
+    from engines.config import ConfigError
+
+    monkeypatch.setenv("LMSERVE_QUEUE_TIMEOUT_S", "12")
+    assert Settings().queue_timeout_s == 12
+    app_args, _ = parse_args({"models": [{"model_name_or_path": "m"}], "queue_timeout_s": 5})
+    assert IngressSettings.model_validate(app_args.ingress_settings()).queue_timeout_s == 5
+    with pytest.raises(ConfigError, match="queue_timeout_s"):
+        parse_args({"models": [{"model_name_or_path": "m"}], "queue_timeout_s": -1})
