@@ -31,11 +31,12 @@ def test_a_request_without_a_token_within_the_queue_timeout_is_a_503_and_leaves_
 
 
 def test_the_queue_timeout_bounds_the_wait_for_the_first_token_only(tiny_model_dir):
-    # tokens 0.3 s apart: every gap and the whole answer are longer than the queue timeout
+    # tokens 0.3 s apart: the whole answer (1.5 s) takes longer than the queue timeout, the first
+    # token comes well within it (a loaded machine delays the event loop)
     engine = FakeEngine(Reply([["a", "b", "c", "d", "e"]], delay_s=0.3))
 
     async def main():
-        async with serve_fake(engine, tiny_model_dir, queue_timeout_s=0.25 + 0.3) as http:
+        async with serve_fake(engine, tiny_model_dir, queue_timeout_s=1.2) as http:
             return await post(http, "/v1/chat/completions", {**CHAT, "stream": True})
 
     r = asyncio.run(main())
