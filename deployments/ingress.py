@@ -46,7 +46,7 @@ from deployments.settings import IngressSettings
 from engines.config import EngineConfig
 from engines.errors import ServingError
 from engines.media import ImageLoader
-from engines.model_source import resolve_model_path
+from engines.model_source import resolve_tokenizer_path
 from engines.prompt import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
@@ -153,7 +153,8 @@ class OpenAIIngress:
     @staticmethod
     async def _load_renderer(entry: ModelEntry) -> None:
         cfg = entry.config
-        path = await asyncio.to_thread(resolve_model_path, cfg.model_name_or_path)
+        # Tokenizer, template and processor files only: the ingress never loads the weights.
+        path = await asyncio.to_thread(resolve_tokenizer_path, cfg.model_name_or_path)
         entry.renderer = await asyncio.to_thread(PromptRenderer.for_config, path, cfg)
 
     # ---- routes --------------------------------------------------------------------------

