@@ -6,7 +6,8 @@ free port and a random API key of its own, waits for `/health`, and sends every 
 SGLang's native `POST /generate` with the prompt token ids from lmserve's renderer (so SGLang
 sees the same ids as every other backend). The streamed answer (SSE `data: {...}` lines, each
 with the choice's cumulative `text` and `meta_info`) is turned into `GenerationDelta`s; a
-request that is given up (client gone) is aborted with `POST /abort_request`.
+request that is given up (client gone) is aborted with `POST /abort_request`. The server's own
+metrics (`--enable-metrics`) are read from its `GET /metrics` (`server_metrics`).
 
 Wire shapes mirror SGLang's source (sgl-project/sglang, `python/sglang/srt/`):
 `entrypoints/http_server.py` (routes, SSE framing, error bodies), `managers/io_struct.py`
@@ -461,6 +462,25 @@ class SGLangEngine(Engine):
             await server.stop(self.stop_grace_s)
         if client is not None:
             await client.aclose()
+
+    async def server_metrics(self) -> str:
+        """The server's own Prometheus text (`GET /metrics`: SGLang's `sglang:*` series, served
+        with `--enable-metrics`), which `deployments/engine_metrics.py` re-exports.
+
+        Raises:
+            ServingError: UNAVAILABLE when the server is not running, does not answer within
+                `sglang_health_timeout_s` seconds, or answers other than 200 (404 when
+                `sglang_config` turned `enable_metrics` off).
+        """
+        client = self._require_client()
+        try:
+            response = await client.get("/metrics", timeout=self.config.sglang.health_timeout_s)
+        except httpx.HTTPError as exc:
+            raise ServingError.unavailable(f"{self.server_name} server does not answer /metrics: "
+                                           f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise ServingError.unavailable(f"{self.server_name} server /metrics answered {response.status_code}")
+        return response.text
 
     @property
     def num_running(self) -> int:
