@@ -126,8 +126,10 @@ class HuggingfaceArgs(BackendArgs):
 
     max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together per replica.")
     max_batch_tokens: int = Field(
-        65536, ge=1, description="Most tokens (prompt + max new tokens, per sequence) reserved by the "
-        "running batch; bounds KV cache memory. Requests beyond either limit wait in the replica.")
+        65536, ge=1, description="Most KV cache positions the running batch may hold, per layer: sequences x "
+        "padded length (every sequence is left-padded to the longest), counted at admission over the batch's whole "
+        "future (prompt + max new tokens); bounds KV cache memory. Requests beyond either limit wait in the "
+        "replica (first come, first served); a request alone in an empty batch is always admitted.")
     chunked_prefill_size: int = Field(
         512, ge=-1, description="Most prompt tokens (prompts x padded length) one prefill forward pass takes; "
         "a longer prefill runs in chunks, and the running sequences decode a token between chunks, so a long "

@@ -5,8 +5,9 @@ KV cache is a transformers `DynamicCache`. Each scheduler step:
 
 1. drops rows whose request finished or was cancelled (they leave the batch at once) and trims
    leading columns that only hold padding;
-2. admits waiting requests while the batch stays within `max_num_seqs` rows and
-   `max_batch_tokens` reserved tokens (prompt + max new tokens per row); their prompts are
+2. admits waiting requests while the batch stays within `max_num_seqs` rows and, over its
+   whole future, `max_batch_tokens` KV positions held (rows x padded width: every row is as wide
+   as the longest, and all grow one column per step until their max tokens); their prompts are
    prefilled together (left-padded) and their rows are merged into the batch. An empty batch
    first holds its first request for the admission window (see `ContinuousBatcher`). A prefill
    larger than `chunked_prefill_size` tokens (prompts x padded length) runs one chunk of columns
@@ -16,6 +17,14 @@ KV cache is a transformers `DynamicCache`. Each scheduler step:
 3. decodes one token for every row in a single forward pass, with per-row positions and an
    attention mask that hides the padding, then samples each row with its own parameters and
    random generator.
+
+Cache layers are selected, merged and trimmed per type (`MERGEABLE_LAYERS`): keys and values by
+column, the conv and recurrent states of hybrid and linear-attention models (LFM2, Qwen3-Next,
+Falcon-H1, Bamba, Jamba, GraniteMoeHybrid) by row only. A model with another layer type is
+served without joins mid-decode: each batch runs to its end before the next is admitted.
+
+A step that fails fails the requests in its batch; `MAX_CONSECUTIVE_STEP_FAILURES` in a row stop
+the batcher (`dead_reason`), so that the replica fails its health check and is replaced.
 
 A request with images (`model_inputs`, e.g. `pixel_values`) is prefilled alone, with its
 processor tensors, because how a vision-language model lays out several requests' images in one
@@ -38,7 +47,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from engines.base import SamplingParams
 from engines.errors import ServingError
@@ -48,6 +64,14 @@ logger = logging.getLogger(__name__)
 # What a request still queued or running gets when the batcher stops (the replica shutting
 # down): UNAVAILABLE, a 503 the client may retry elsewhere, not an internal error.
 ENGINE_SHUT_DOWN = "the engine has shut down; retry later"
+ENGINE_DEAD = "the engine failed and stopped serving; retry later"
+
+# Consecutive failed steps after which the batcher stops serving (vLLM's `EngineDeadError`):
+# one failed step fails only its batch, but a step that fails every time (out of memory, a
+# device error) would fail every request; stopped, the batcher fails the health check
+# (`HuggingFaceEngine.check_health`) and Ray Serve replaces the replica. A successful step
+# resets the count.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 # (choice index, token id, finish reason or None, stop reason or None, logprobs or None) where
 # logprobs = (log-probability of the token, [(token id, log-probability), ...] top alternatives)
@@ -143,6 +167,104 @@ class GrowingLayer(DynamicLayer):
         return buffer
 
 
+# Cache layers whose rows the batcher selects, merges and trims. Keys and values (batch, kv_heads,
+# columns, head_dim) are positional: left-padded and trimmed like the mask (a sliding-window layer
+# holds only its last `sliding_window - 1` columns). Convolution and recurrent states of linear-
+# attention, Mamba and short-convolution layers (LFM2, Qwen3-Next, Falcon-H1, Bamba, Jamba,
+# GraniteMoeHybrid) are one per row with no column dimension: selected and concatenated on the batch
+# dimension, never padded. Other layer types (quantized, indexer keys, ...) are batched without joins
+# mid-decode (see `ContinuousBatcher`).
+MERGEABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer, LinearAttentionLayer,
+                    LinearAttentionAndFullAttentionLayer, LinearAttentionAndSlidingWindowAttentionLayer)
+
+
+def mergeable_cache(cache: Any) -> bool:
+    """Whether every layer of `cache` (a transformers `Cache`) is one of `MERGEABLE_LAYERS`."""
+    return all(type(layer) in MERGEABLE_LAYERS for layer in cache.layers)
+
+
+def select_cache_rows(cache: Any, index: torch.Tensor) -> None:
+    """Keep rows `index` (1-D, in that order, repeats allowed) of every layer of `cache`.
+
+    transformers' `Cache.reorder_cache` (beam search's row selection) selects keys, values and
+    every conv and recurrent state, for every layer type; `batch_select_indices` selects keys and
+    values only, which leaves a hybrid layer's states with the old rows.
+    """
+    cache.reorder_cache(index)
+
+
+def _has_keys(layer: Any) -> bool:
+    return isinstance(layer, DynamicLayer) and layer.is_initialized and layer.keys is not None
+
+
+def _left_pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`t` with zeros prepended on `dim` up to `length`."""
+    missing = length - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def merge_cache_rows(cache: Any, new: Any, width: int) -> None:
+    """Append the rows of `new` to `cache` (both from the same model, `MERGEABLE_LAYERS` only):
+    keys and values left-padded to `width` columns (a sliding-window layer to its last
+    `sliding_window - 1`), conv and recurrent states concatenated as they are."""
+    for old, added in zip(cache.layers, new.layers):
+        if _has_keys(old) and _has_keys(added):
+            length = width
+            if getattr(old, "is_sliding", False):
+                # A sliding-window layer holds only the last columns (sliding_window - 1 at
+                # most), right-aligned like the mask's; it must count the merged width.
+                length = min(width, old.sliding_window - 1)
+                old.cumulative_length = width
+            old.keys = torch.cat([_left_pad(old.keys, 2, length), _left_pad(added.keys, 2, length)], dim=0)
+            old.values = torch.cat([_left_pad(old.values, 2, length), _left_pad(added.values, 2, length)], dim=0)
+        if isinstance(old, LinearAttentionCacheLayerMixin):
+            for i in range(old.number_of_states):
+                if old.is_conv_states_initialized[i]:
+                    old.conv_states[i] = torch.cat([old.conv_states[i], added.conv_states[i]])
+                if old.is_recurrent_states_initialized[i]:
+                    old.recurrent_states[i] = torch.cat([old.recurrent_states[i], added.recurrent_states[i]])
+
+
+def trim_cache_columns(cache: Any, first: int, width: int) -> None:
+    """Drop the first `first` columns of every layer's keys and values, leaving `width`
+    columns (`MERGEABLE_LAYERS` only); conv and recurrent states have no columns."""
+    for layer in cache.layers:
+        if not _has_keys(layer):
+            continue
+        if getattr(layer, "is_sliding", False):
+            # It holds only the last columns (sliding_window - 1 at most).
+            keep = min(layer.keys.shape[2], width)
+            layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
+            layer.cumulative_length = width
+        else:
+            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+
+
+def peak_kv_positions(rows: list[tuple[int, int]], trimmed: bool = True) -> int:
+    """The most KV positions (rows x padded width, per layer) a left-padded batch will hold.
+
+    Args:
+        rows: (columns the row holds now, decode steps it may still take) per row. Every row
+            grows one column per step, together, and leaves after its last step.
+        trimmed: whether leading columns that only hold padding go when rows leave (then the
+            width is the longest row still there); else the width never shrinks.
+
+    At the last step of each row, the rows still there hold `count x (longest + step)`; between
+    two such steps the width only grows, so the peak is at one of them.
+    """
+    peak, count = 0, 0
+    longest = max((length for length, _ in rows), default=0) if not trimmed else 0
+    for length, steps in sorted(rows, key=lambda row: -row[1]):
+        count += 1
+        longest = max(longest, length)
+        peak = max(peak, count * (longest + steps))
+    return peak
+
+
 @dataclass(eq=False)
 class _Prefill:
     """Admitted prompts being prefilled a chunk of columns per step.
@@ -168,8 +290,9 @@ class ContinuousBatcher:
     Args:
         model: a transformers causal LM in eval mode.
         max_num_seqs: most rows (sequences) decoded together.
-        max_batch_tokens: most tokens reserved by the running rows (prompt + max new tokens
-            each), which bounds KV cache memory.
+        max_batch_tokens: most KV positions (rows x padded width, per layer) the batch may
+            hold, counted over its whole future at admission (`_peak_positions`), which bounds
+            KV cache memory; a lone request is admitted beyond it.
         use_kv_cache: False recomputes the whole sequence every step, one row at a time
             (LLaMA-Factory's `use_kv_cache: false`).
         batch_wait_timeout_s: when the batch is empty, the longest a first request waits for
@@ -217,6 +340,10 @@ class ContinuousBatcher:
         self.batch_wait_timeout_s = batch_wait_timeout_s
         self.batch_wait_gap_s = batch_wait_gap_s
         self.chunked_prefill_size = chunked_prefill_size
+        # Whether requests join a decoding batch (and a long prompt is prefilled in chunks
+        # meanwhile): known from the model's config here, confirmed by every prefill's cache.
+        self.joins_mid_decode = _config_cache_mergeable(model)
+        self._said_unmergeable = False
         self._prefilling: _Prefill | None = None  # a chunked prefill in progress
         self._waiting: deque[BatchRequest] = deque()
         self._rows: list[_Row] = []
@@ -225,6 +352,8 @@ class ContinuousBatcher:
         self._next_tokens: torch.Tensor | None = None  # (rows,) last sampled token per row
         self._wake = threading.Condition()
         self._stopped = False
+        self.dead_reason: str | None = None  # why the batcher stopped serving, after repeated step failures
+        self._failed_steps = 0  # consecutive failed steps
         # Adaptive admission window (class docstring); guarded by `_wake`. Lone idle starts in a
         # row since the last one with company; it starts disarmed.
         self._lone_idle_starts = self.lone_starts_to_disarm
@@ -252,7 +381,8 @@ class ContinuousBatcher:
         return self._thread.is_alive() and not self._stopped
 
     def submit(self, request: BatchRequest) -> None:
-        """Queue `request`; after `stop`, fail it at once (its `emit` gets the error)."""
+        """Queue `request`; after `stop` or once the batcher is dead (`dead_reason`), fail it
+        at once (its `emit` gets an UNAVAILABLE error)."""
         request.arrival_time = now = time.monotonic()
         with self._wake:
             stopped = self._stopped
@@ -265,7 +395,10 @@ class ContinuousBatcher:
                 self._waiting.append(request)
                 self._wake.notify_all()
         if stopped:
-            request.emit(ServingError.unavailable(ENGINE_SHUT_DOWN))
+            request.emit(self._stopped_error())
+
+    def _stopped_error(self) -> ServingError:
+        return ServingError.unavailable(ENGINE_DEAD if self.dead_reason else ENGINE_SHUT_DOWN)
 
     def _note_idle_start(self, now: float) -> None:
         """A request reached an idle engine: count the previous idle start if it was lone."""
@@ -321,15 +454,28 @@ class ContinuousBatcher:
             try:
                 with torch.inference_mode():
                     self._step()
+                self._failed_steps = 0
             except Exception as exc:  # noqa: BLE001 - fail the requests in the batch, keep serving
+                self._failed_steps += 1
                 failed = self._admitted_requests()
-                logger.exception("batch step failed; failing %d running requests", len(failed))
+                logger.exception("batch step failed (%d in a row); failing %d running requests",
+                                 self._failed_steps, len(failed))
+                if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                    with self._wake:
+                        self.dead_reason = (f"{self._failed_steps} batch steps failed in a row, the last with "
+                                            f"{type(exc).__name__}: {exc}")
+                        self._stopped = True
+                    logger.error("the batcher stops serving: %s", self.dead_reason)
+                    break  # its requests and the waiting ones get UNAVAILABLE below
                 for request in failed:
                     request.emit(exc)
                 self._rows, self._cache, self._mask, self._next_tokens = [], None, None, None
                 self._prefilling = None
-        for request in list(self._waiting) + self._admitted_requests():
-            request.emit(ServingError.unavailable(ENGINE_SHUT_DOWN))
+        with self._wake:
+            pending = list(self._waiting) + self._admitted_requests()
+            self._waiting.clear()
+        for request in pending:
+            request.emit(self._stopped_error())
 
     def _admitted_requests(self) -> list[BatchRequest]:
         """Every request in the batch or being prefilled, once each."""
@@ -372,15 +518,21 @@ class ContinuousBatcher:
             request.emit(items)
 
     def _admit(self) -> list[BatchRequest]:
+        """Waiting requests (first come, first served) whose rows fit in the batch: at most
+        `max_num_seqs` rows, and at most `max_batch_tokens` KV positions held over the batch's
+        whole future (`_peak_positions`). A request that does not fit waits, and so do those
+        behind it, until rows leave; one alone in an empty batch is always admitted."""
+        if self._rows and not self.joins_mid_decode:
+            return []
         admitted: list[BatchRequest] = []
         now = time.monotonic()
         with self._wake:
             rows = len(self._rows)
-            reserved = sum({id(r.request): r.request.reserved_tokens for r in self._rows}.values())
             while self._waiting:
                 request = self._waiting[0]
                 n = request.params.n
-                fits = rows + n <= self.max_num_seqs and reserved + request.reserved_tokens <= self.max_batch_tokens
+                fits = (rows + n <= self.max_num_seqs
+                        and self._peak_positions(admitted + [request]) <= self.max_batch_tokens)
                 if not fits and (rows or admitted):
                     break
                 if admitted and (request.model_inputs or admitted[0].model_inputs):
@@ -389,8 +541,29 @@ class ContinuousBatcher:
                 request.scheduled_time = now
                 admitted.append(request)
                 rows += n
-                reserved += request.reserved_tokens
         return admitted
+
+    def _peak_positions(self, admitted: list[BatchRequest]) -> int:
+        """The most KV positions the batch will hold with `admitted` prefilled and joined.
+
+        Running rows hold their real columns (the batch's width is the longest row's, as leading
+        padding is trimmed when rows leave) and grow one per step until their max tokens. The
+        admitted rows are counted from now, as if their prompt were already in the batch, until
+        the end of their prefill (one step per chunk, the running rows decoding meanwhile) plus
+        their max tokens: more than they hold, since the prefill pads them only to the longest
+        admitted prompt.
+        """
+        rows: list[tuple[int, int]] = []
+        if self._rows:
+            lengths = self._mask.sum(dim=1).tolist()
+            rows = [(length, row.request.max_tokens - len(row.generated))
+                    for length, row in zip(lengths, self._rows)]
+        if admitted:
+            width = max(len(r.prompt_ids) for r in admitted)
+            chunk = self._chunk_width(admitted) or width
+            steps = -(-width // chunk)
+            rows += [(len(r.prompt_ids), steps + r.max_tokens) for r in admitted for _ in range(r.params.n)]
+        return peak_kv_positions(rows, trimmed=self.joins_mid_decode)
 
     def _drop_done_rows(self) -> None:
         keep = [i for i, r in enumerate(self._rows) if not r.done]
@@ -404,22 +577,14 @@ class ContinuousBatcher:
         self._mask = self._mask.index_select(0, index)
         self._next_tokens = self._next_tokens.index_select(0, index)
         if self._cache is not None:
-            self._cache.batch_select_indices(index)
-        # Columns that hold padding for every remaining row can go.
+            select_cache_rows(self._cache, index)
+        # Columns that hold padding for every remaining row can go (only where every cache
+        # layer can be trimmed: its columns must stay those of the mask).
         first = int(self._mask.any(dim=0).nonzero()[0])
-        if first > 0:
+        if first > 0 and self.joins_mid_decode:
             self._mask = self._mask[:, first:]
             if self._cache is not None:
-                width = self._mask.shape[1]
-                for layer in self._cache.layers:
-                    if getattr(layer, "is_sliding", False):
-                        # It holds only the last columns (sliding_window - 1 at most).
-                        keep = min(layer.keys.shape[2], width)
-                        layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
-                        layer.cumulative_length = width
-                    else:
-                        layer.keys = layer.keys[:, :, first:]
-                        layer.values = layer.values[:, :, first:]
+                trim_cache_columns(self._cache, first, self._mask.shape[1])
 
     def _has_decoding_rows(self) -> bool:
         """Whether a row of the batch has produced a token and is not done."""
@@ -439,10 +604,25 @@ class ContinuousBatcher:
     def _chunk_columns(self, job: _Prefill) -> int:
         """How many of the job's remaining columns this step's forward pass takes."""
         remaining = job.width - job.done
-        if (self.chunked_prefill_size < 0 or not self.use_kv_cache
-                or any(r.model_inputs for r in job.requests)):
-            return remaining
-        return min(remaining, max(1, self.chunked_prefill_size // len(job.requests)))
+        return min(remaining, self._chunk_width(job.requests) or remaining)
+
+    def _chunk_width(self, requests: list[BatchRequest]) -> int | None:
+        """Columns per chunk of a prefill of `requests`; None: one pass."""
+        if (self.chunked_prefill_size < 0 or not self.use_kv_cache or not self.joins_mid_decode
+                or any(r.model_inputs for r in requests)):
+            return None
+        return max(1, self.chunked_prefill_size // len(requests))
+
+    def _note_cache_layers(self, cache: Any) -> None:
+        """Check a prefill's cache layers before its rows join the batch: a layer type the
+        batcher cannot merge or trim turns joins mid-decode off (said once in the log)."""
+        mergeable = mergeable_cache(cache)
+        if not mergeable and not self._said_unmergeable:
+            self._said_unmergeable = True
+            kinds = sorted({type(layer).__name__ for layer in cache.layers} - {t.__name__ for t in MERGEABLE_LAYERS})
+            logger.warning("the KV cache of %s has layers the batcher cannot merge (%s): each batch runs to its "
+                           "end before the next is admitted", type(self.model).__name__, ", ".join(kinds))
+        self.joins_mid_decode = mergeable
 
     def _drop_cancelled_prompts(self, job: _Prefill) -> bool:
         """Take cancelled requests out of a prefill (their rows of the tensors and the cache).
@@ -460,7 +640,7 @@ class ContinuousBatcher:
         job.requests = [job.requests[i] for i in keep]
         job.ids, job.mask, job.positions = (t.index_select(0, index) for t in (job.ids, job.mask, job.positions))
         if job.cache is not None:
-            job.cache.batch_select_indices(index)
+            select_cache_rows(job.cache, index)
         return True
 
     def _prefill_chunk(self, job: _Prefill, events: dict) -> None:
@@ -491,7 +671,8 @@ class ContinuousBatcher:
             new_cache.layers = [GrowingLayer(layer) if type(layer) is DynamicLayer else layer
                                 for layer in new_cache.layers]
             if len(new_rows) != len(admitted):
-                new_cache.batch_select_indices(row_of)
+                select_cache_rows(new_cache, row_of)
+            self._note_cache_layers(new_cache)
         tokens = self._sample(new_rows, logits)
         logprobs = self._logprobs(new_rows, logits, tokens)
         # Decode the running rows now too, so a stream of arrivals cannot starve them.
@@ -509,26 +690,9 @@ class ContinuousBatcher:
             self._rows, self._cache, self._mask, self._next_tokens = rows, cache, mask, tokens
             return
         width = max(self._mask.shape[1], mask.shape[1])
-
-        def left_pad(t: torch.Tensor, dim: int, length: int = width) -> torch.Tensor:
-            missing = length - t.shape[dim]
-            if missing == 0:
-                return t
-            shape = list(t.shape)
-            shape[dim] = missing
-            return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-        self._mask = torch.cat([left_pad(self._mask, 1), left_pad(mask, 1)], dim=0)
+        self._mask = torch.cat([_left_pad(self._mask, 1, width), _left_pad(mask, 1, width)], dim=0)
         if self._cache is not None:
-            for old, new in zip(self._cache.layers, cache.layers):
-                length = width
-                if getattr(old, "is_sliding", False):
-                    # A sliding-window layer holds only the last columns (sliding_window - 1 at
-                    # most), right-aligned like the mask's; it must count the merged width.
-                    length = min(width, old.sliding_window - 1)
-                    old.cumulative_length = width
-                old.keys = torch.cat([left_pad(old.keys, 2, length), left_pad(new.keys, 2, length)], dim=0)
-                old.values = torch.cat([left_pad(old.values, 2, length), left_pad(new.values, 2, length)], dim=0)
+            merge_cache_rows(self._cache, cache, width)
         self._rows = self._rows + rows
         self._next_tokens = torch.cat([self._next_tokens, tokens])
 
@@ -641,6 +805,17 @@ class ContinuousBatcher:
             scores = MinPLogitsWarper(p.min_p)(dummy_ids, scores)
         probs = torch.softmax(scores, dim=-1)
         return torch.multinomial(probs, 1, generator=row.request.generator)[0, 0]
+
+
+def _config_cache_mergeable(model: Any) -> bool:
+    """Whether the `DynamicCache` that transformers builds from `model`'s config has only
+    `MERGEABLE_LAYERS` (False where it cannot be built from the config)."""
+    from transformers import DynamicCache
+
+    try:
+        return mergeable_cache(DynamicCache(config=model.config))
+    except Exception:  # noqa: BLE001 - a config without layer types: the first prefill's cache tells
+        return False
 
 
 def supports_logits_to_keep(model: Any) -> bool:

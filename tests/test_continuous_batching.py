@@ -142,3 +142,230 @@ def test_a_request_submitted_after_stop_fails_at_once(sliding_window_model):
     assert len(got) == 1 and isinstance(got[0], ServingError) and "shut down" in str(got[0])
     assert got[0].kind == ErrorKind.UNAVAILABLE  # a 503 to retry, not an internal error
     assert batcher.num_waiting == 0
+
+
+@pytest.fixture(scope="module")
+def llama_model():
+    """A 2-layer Llama (full attention only), weights scaled so greedy choices are clear."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4)
+    return model
+
+
+def _held_positions(cache) -> int:
+    """KV positions (rows x columns) a cache's full-attention layers hold, the most of any layer."""
+    if cache is None:
+        return 0
+    return max((layer.keys.shape[0] * layer.keys.shape[2] for layer in cache.layers
+                if getattr(layer, "keys", None) is not None), default=0)
+
+
+def test_one_long_prompt_waits_until_the_batch_holds_room_for_its_padded_width(llama_model):
+    """The KV positions held (rows x padded width, from the cache tensors after every forward
+    pass) stay within `max_batch_tokens`: a 200-token prompt does not join eight running 10-token
+    rows (nine rows padded to 200+ columns), it waits until they leave; a short request behind it
+    waits too (first come, first served), then joins the long row where that fits. Every request
+    gets the greedy tokens it gets alone."""
+    bound = 500
+    specs = {f"short{k}": (k, 10, 20) for k in range(8)}
+    specs["long"] = (100, 200, 10)
+    specs["after"] = (101, 10, 12)
+    batcher = ContinuousBatcher(llama_model, max_batch_tokens=bound)
+    peak = [0]
+
+    def observe(module, args, kwargs, output):
+        held = _held_positions(output.past_key_values)
+        if batcher._cache is not output.past_key_values:
+            held += _held_positions(batcher._cache)
+        peak[0] = max(peak[0], held)
+
+    out = {name: [] for name in specs}
+    order: list[str] = []
+    finished = {name: threading.Event() for name in specs}
+
+    def request(name):
+        seed, length, max_tokens = specs[name]
+
+        def emit(items):
+            assert not isinstance(items, BaseException), items
+            out[name].extend(token for _, token, _, _, _ in items)
+            order.append(name)
+            if any(finish for _, _, finish, _, _ in items):
+                finished[name].set()
+
+        return BatchRequest(name, _prompt(seed, length), SamplingParams(temperature=0, ignore_eos=True),
+                            max_tokens, set(), torch.Generator(), emit)
+
+    hook = llama_model.register_forward_hook(observe, with_kwargs=True)
+    try:
+        for name in specs:  # queued before the worker starts: the shorts are admitted together
+            batcher.submit(request(name))
+        batcher.start()
+        for name in specs:
+            assert finished[name].wait(60), name
+    finally:
+        hook.remove()
+        batcher.stop()
+    assert 0 < peak[0] <= bound
+    first_long = order.index("long")
+    assert all(order.index(f"short{k}") < first_long for k in range(8))
+    for name, (seed, length, max_tokens) in specs.items():
+        alone = llama_model.generate(torch.tensor([_prompt(seed, length)]), max_new_tokens=max_tokens,
+                                     min_new_tokens=max_tokens, do_sample=False)
+        assert out[name] == alone[0, length:].tolist(), name
+
+
+def test_a_lone_request_beyond_the_bound_is_still_served(llama_model):
+    """A request that alone holds more than `max_batch_tokens` is admitted into an empty batch
+    (it would otherwise never be), as before the bound counted padded positions."""
+    batcher = ContinuousBatcher(llama_model, max_batch_tokens=50)
+    got, done = [], threading.Event()
+
+    def emit(items):
+        got.extend(items if not isinstance(items, BaseException) else [items])
+        if isinstance(items, BaseException) or any(finish for _, _, finish, _, _ in items):
+            done.set()
+
+    batcher.start()
+    try:
+        batcher.submit(BatchRequest("big", _prompt(0, 80), SamplingParams(temperature=0, ignore_eos=True), 5, set(),
+                                    torch.Generator(), emit))
+        assert done.wait(60)
+    finally:
+        batcher.stop()
+    assert len(got) == 5 and not any(isinstance(item, BaseException) for item in got)
+
+
+class _FailingForward:
+    """Makes a model's forward raise while `failing` is set, as a device error or an out-of-memory would."""
+
+    def __init__(self, model, monkeypatch):
+        self.failing = True
+        forward = model.forward
+
+        def maybe_fail(*args, **kwargs):
+            if self.failing:
+                raise RuntimeError("device lost")
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", maybe_fail)
+
+
+def _request_with_result(name: str, seed: int = 0):
+    """A 4-token greedy request and the event set with its tokens or its error."""
+    result: list = []
+    done = threading.Event()
+
+    def emit(items):
+        result.extend(items if not isinstance(items, BaseException) else [items])
+        if isinstance(items, BaseException) or any(finish for _, _, finish, _, _ in items):
+            done.set()
+
+    request = BatchRequest(name, _prompt(seed, 6), SamplingParams(temperature=0, ignore_eos=True), 4, set(),
+                           torch.Generator(), emit)
+    return request, result, done
+
+
+def test_a_step_that_keeps_failing_stops_the_batcher(llama_model, monkeypatch):
+    """After MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row the batcher is dead (vLLM's
+    `EngineDeadError`): the requests of the failing steps before get the error itself, the one
+    in the last step and those still queued get UNAVAILABLE, a new request is failed at once,
+    and `alive` is False with the reason in `dead_reason`."""
+    from engines.continuous_batching import MAX_CONSECUTIVE_STEP_FAILURES
+
+    _FailingForward(llama_model, monkeypatch)
+    batcher = ContinuousBatcher(llama_model, max_num_seqs=1)  # one request per step
+    requests = [_request_with_result(f"r{k}", k) for k in range(MAX_CONSECUTIVE_STEP_FAILURES + 2)]
+    for request, _, _ in requests:
+        batcher.submit(request)
+    batcher.start()
+    try:
+        for _, _, done in requests:
+            assert done.wait(60)
+        errors = [result[0] for _, result, _ in requests]
+        assert all(isinstance(e, RuntimeError) for e in errors[:MAX_CONSECUTIVE_STEP_FAILURES - 1])
+        for error in errors[MAX_CONSECUTIVE_STEP_FAILURES - 1:]:
+            assert isinstance(error, ServingError) and error.kind == ErrorKind.UNAVAILABLE
+        assert not batcher.alive and "device lost" in batcher.dead_reason
+        late, result, _ = _request_with_result("late")
+        batcher.submit(late)
+        assert isinstance(result[0], ServingError) and result[0].kind == ErrorKind.UNAVAILABLE
+        assert batcher.num_waiting == 0
+    finally:
+        batcher.stop()
+
+
+def test_one_successful_step_resets_the_failure_count(llama_model, monkeypatch):
+    """Failed steps separated by a successful one never stop the batcher."""
+    from engines.continuous_batching import MAX_CONSECUTIVE_STEP_FAILURES
+
+    failure = _FailingForward(llama_model, monkeypatch)
+    batcher = ContinuousBatcher(llama_model)
+    batcher.start()
+    try:
+        for round_ in range(2):
+            failure.failing = True
+            for k in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):
+                request, result, done = _request_with_result(f"fail{round_}{k}")
+                batcher.submit(request)
+                assert done.wait(60) and isinstance(result[0], RuntimeError)
+            failure.failing = False
+            request, result, done = _request_with_result(f"ok{round_}")
+            batcher.submit(request)
+            assert done.wait(60) and len(result) == 4 and not isinstance(result[0], BaseException)
+        assert batcher.alive and batcher.dead_reason is None
+    finally:
+        batcher.stop()
+
+
+def test_the_engine_fails_its_health_check_once_steps_keep_failing(tmp_path, monkeypatch):
+    """`HuggingFaceEngine` over a model whose forward raises every time: each request gets an
+    UNAVAILABLE error, and after MAX_CONSECUTIVE_STEP_FAILURES of them `check_health` raises
+    (so Ray Serve replaces the replica), as does a new request, at once."""
+    import asyncio
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engines.base import GenerationRequest
+    from engines.config import EngineConfig
+    from engines.continuous_batching import MAX_CONSECUTIVE_STEP_FAILURES
+    from engines.huggingface import HuggingFaceEngine
+    from fake_engine import write_tiny_model_dir
+
+    directory = write_tiny_model_dir(tmp_path / "model")
+    vocab = LlamaConfig.from_pretrained(directory).vocab_size
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(directory)
+
+    def device_lost(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    async def scenario():
+        engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(directory), infer_dtype="float32"))
+        await engine.start()
+        monkeypatch.setattr(LlamaForCausalLM, "forward", device_lost)
+        try:
+            await engine.check_health()
+            for k in range(MAX_CONSECUTIVE_STEP_FAILURES):
+                request = GenerationRequest(f"r{k}", [5, 6, 7], SamplingParams(max_tokens=3))
+                with pytest.raises(ServingError) as failed:
+                    async for _ in engine.generate(request):
+                        pass
+                assert failed.value.kind == ErrorKind.UNAVAILABLE
+            with pytest.raises(ServingError) as unhealthy:
+                await engine.check_health()
+            assert unhealthy.value.kind == ErrorKind.UNAVAILABLE
+            with pytest.raises(ServingError):
+                async for _ in engine.generate(GenerationRequest("late", [5, 6], SamplingParams(max_tokens=2))):
+                    pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(scenario())

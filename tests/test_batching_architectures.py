@@ -1,0 +1,279 @@
+"""Greedy parity of the continuous batcher with transformers' `generate`, per architecture (fast, offline).
+
+Tiny random-weight models are built from transformers configs: attention-only ones (full,
+sliding-window, alternating, MoE, learned positions) and hybrid ones whose cache layers hold
+convolution and recurrent states beside or instead of keys and values (LFM2, Qwen3-Next,
+Falcon-H1, Bamba, Jamba, GraniteMoeHybrid). Each model decodes, through the batcher, the
+prompts of five batching cases and must give token for token what `generate` gives for each
+prompt alone:
+
+- alone: one prompt;
+- together: six prompts of 5-300 tokens left-padded into one prefill;
+- joins: requests join a decoding batch while others leave it at different times;
+- chunked: a long prompt prefilled in chunks while other rows decode;
+- n=2: two choices of one prompt.
+
+Weights are scaled up so a random model's greedy choices are not near-ties that padding or a
+different batch shape could flip; everything runs in float32.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import pytest
+import torch
+import transformers
+
+from engines.attention import use_gqa_attention
+from engines.base import SamplingParams
+from engines.continuous_batching import BatchRequest, ContinuousBatcher
+
+VOCAB = 256
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+MAMBA = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_chunk_size=16)
+
+
+def _configs() -> dict[str, Callable[[], transformers.PreTrainedConfig]]:
+    t = transformers
+    return {
+        "llama": lambda: t.LlamaConfig(**SMALL),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                              num_experts_per_tok=2),
+        "mistral_sliding_16": lambda: t.MistralConfig(**SMALL, sliding_window=16),
+        "gemma2": lambda: t.Gemma2Config(**SMALL, head_dim=16, sliding_window=16),
+        "gemma3": lambda: t.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=16,
+                                             layer_types=["sliding_attention", "full_attention"]),
+        "gpt2": lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024),
+        "gpt_oss": lambda: t.GptOssConfig(**SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+        "lfm2": lambda: t.Lfm2Config(**{**SMALL, "num_hidden_layers": 3},
+                                     layer_types=["conv", "full_attention", "conv"]),
+        "qwen3_next": lambda: t.Qwen3NextConfig(**{**SMALL, "num_hidden_layers": 4}, head_dim=16,
+                                                linear_num_value_heads=4, linear_num_key_heads=2,
+                                                linear_key_head_dim=16, linear_value_head_dim=16,
+                                                moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                                num_experts=4, num_experts_per_tok=2),
+        "falcon_h1": lambda: t.FalconH1Config(**SMALL, mamba_d_ssm=128, **MAMBA),
+        "bamba": lambda: t.BambaConfig(**SMALL, **MAMBA, attn_layer_indices=[1]),
+        "jamba": lambda: t.JambaConfig(**SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                       expert_layer_offset=1, num_experts=2, mamba_d_state=8),
+        "granitemoehybrid": lambda: t.GraniteMoeHybridConfig(**SMALL, **MAMBA, layer_types=["mamba", "attention"],
+                                                             num_local_experts=2, num_experts_per_tok=1),
+    }
+
+
+ARCHITECTURES = sorted(_configs())
+_models: dict[str, torch.nn.Module] = {}
+
+
+def _model(name: str) -> torch.nn.Module:
+    """The tiny model of `name`, built once per process: float32, weights of matrices scaled by 3."""
+    if name not in _models:
+        torch.manual_seed(0)
+        config = _configs()[name]()
+        # transformers' default choice, as HuggingFaceEngine loads a model (sdpa where supported).
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.mul_(3)
+        use_gqa_attention(model)  # as HuggingFaceEngine serves it
+        _models[name] = model
+    return _models[name]
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """`generate`'s greedy tokens for `prompt` alone."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+class _Client:
+    """Requests to one batcher, their tokens per choice, and when each finished."""
+
+    def __init__(self, batcher: ContinuousBatcher):
+        self.batcher = batcher
+        self.tokens: dict[str, dict[int, list[int]]] = {}
+        self.finished: dict[str, threading.Event] = {}
+        self.errors: list[BaseException] = []
+
+    def submit(self, name: str, prompt: list[int], max_tokens: int, n: int = 1) -> None:
+        self.tokens[name] = {i: [] for i in range(n)}
+        done = self.finished[name] = threading.Event()
+        open_choices = set(range(n))
+
+        def emit(items):
+            if isinstance(items, BaseException):
+                self.errors.append(items)
+                done.set()
+                return
+            for index, token, finish, _, _ in items:
+                self.tokens[name][index].append(token)
+                if finish:
+                    open_choices.discard(index)
+            if not open_choices:
+                done.set()
+
+        self.batcher.submit(BatchRequest(name, prompt, SamplingParams(temperature=0, ignore_eos=True, n=n),
+                                         max_tokens, set(), torch.Generator(), emit))
+
+    def wait_for_tokens(self, name: str, count: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.tokens[name][0]) < count and not self.finished[name].is_set():
+            assert time.monotonic() < deadline, f"{name} produced no {count} tokens"
+            time.sleep(0.001)
+
+    def wait(self) -> None:
+        for name, event in self.finished.items():
+            assert event.wait(120), name
+        assert not self.errors, self.errors
+
+
+def _run(model, schedule: Callable[[_Client], None], **batcher_options) -> _Client:
+    batcher = ContinuousBatcher(model, **batcher_options)
+    client = _Client(batcher)
+    batcher.start()
+    try:
+        schedule(client)
+        client.wait()
+    finally:
+        batcher.stop()
+    return client
+
+
+# name: (seed, prompt length, max tokens)
+TOGETHER = {f"p{k}": (k, length, 4 + 2 * k) for k, length in enumerate((5, 300, 17, 64, 130, 9))}
+JOINS = {"a": (10, 40, 16), "b": (11, 13, 20), "c": (12, 27, 5), "d": (13, 90, 6)}
+CHUNKED = {"a": (20, 12, 16), "b": (21, 30, 16), "long": (22, 300, 5)}
+
+
+def _check(model, client: _Client, specs: dict[str, tuple[int, int, int]]) -> None:
+    for name, (seed, length, max_tokens) in specs.items():
+        expected = _reference(model, _prompt(seed, length), max_tokens)
+        for index, tokens in client.tokens[name].items():
+            assert tokens == expected, (name, index)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_alone(architecture):
+    model = _model(architecture)
+    specs = {"x": (30, 37, 12)}
+    client = _run(model, lambda c: c.submit("x", _prompt(30, 37), 12))
+    _check(model, client, specs)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_six_prompts_left_padded_together(architecture):
+    model = _model(architecture)
+
+    batcher = ContinuousBatcher(model)
+    client = _Client(batcher)
+    for name, (seed, length, max_tokens) in TOGETHER.items():
+        client.submit(name, _prompt(seed, length), max_tokens)
+    assert batcher.num_waiting == len(TOGETHER)
+    batcher.start()
+    try:
+        client.wait()
+    finally:
+        batcher.stop()
+    _check(model, client, TOGETHER)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_joins_mid_decode_and_rows_leaving_at_different_times(architecture):
+    model = _model(architecture)
+
+    def schedule(client):
+        client.submit("a", _prompt(*JOINS["a"][:2]), JOINS["a"][2])
+        client.wait_for_tokens("a", 3)
+        client.submit("b", _prompt(*JOINS["b"][:2]), JOINS["b"][2])  # joins while a decodes
+        client.submit("c", _prompt(*JOINS["c"][:2]), JOINS["c"][2])  # leaves first
+        client.wait_for_tokens("b", 8)
+        client.submit("d", _prompt(*JOINS["d"][:2]), JOINS["d"][2])  # joins after c left, wider than the batch
+
+    _check(model, _run(model, schedule), JOINS)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_chunked_prefill_of_a_long_prompt_while_others_decode(architecture):
+    model = _model(architecture)
+
+    def schedule(client):
+        for name in ("a", "b"):
+            client.submit(name, _prompt(*CHUNKED[name][:2]), CHUNKED[name][2])
+        client.wait_for_tokens("a", 2)
+        client.submit("long", _prompt(*CHUNKED["long"][:2]), CHUNKED["long"][2])
+
+    client = _run(model, schedule, chunked_prefill_size=64)
+    _check(model, client, CHUNKED)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_two_choices(architecture):
+    model = _model(architecture)
+    specs = {"x": (40, 23, 10), "y": (41, 50, 6)}
+
+    def schedule(client):
+        client.submit("x", _prompt(40, 23), 10, n=2)
+        client.wait_for_tokens("x", 2)
+        client.submit("y", _prompt(41, 50), 6, n=2)  # joins the running batch
+
+    _check(model, _run(model, schedule), specs)
+
+
+class _OpaqueLayer(transformers.DynamicLayer):
+    """A cache layer type the batcher does not know how to merge (as a quantized or indexer layer)."""
+
+
+class _OpaqueCacheModel(torch.nn.Module):
+    """A model whose KV cache layers are all `_OpaqueLayer`s; its forward is the wrapped model's."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def forward(self, past_key_values=None, use_cache=False, **kwargs):
+        if use_cache and past_key_values is None:
+            past_key_values = transformers.DynamicCache()
+            past_key_values.layers = [_OpaqueLayer() for _ in range(self.config.num_hidden_layers)]
+        return self.inner(past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+
+
+def test_a_cache_layer_that_cannot_be_merged_runs_each_batch_to_its_end(caplog):
+    """Where a cache layer type cannot be merged, requests do not join mid-decode: a request
+    that arrives while a batch decodes waits for the batch's end (said once in the log), and
+    every request still gets `generate`'s tokens; rows leave a batch and n=2 still work."""
+    inner = _model("llama")
+    model = _OpaqueCacheModel(inner)
+    specs = {"a": (50, 30, 12), "b": (51, 9, 5), "c": (52, 44, 6)}
+    order: list[str] = []
+
+    def schedule(client):
+        client.submit("a", _prompt(*specs["a"][:2]), specs["a"][2])
+        client.submit("b", _prompt(*specs["b"][:2]), specs["b"][2], n=2)  # leaves a's batch first
+        client.wait_for_tokens("a", 2)
+        client.submit("c", _prompt(*specs["c"][:2]), specs["c"][2])  # would join a's batch
+        client.wait_for_tokens("c", 1)
+        order.extend(["c-started", f"a-had-{len(client.tokens['a'][0])}"])
+
+    with caplog.at_level("WARNING", logger="engines.continuous_batching"):
+        client = _run(model, schedule, chunked_prefill_size=16)
+    assert order == ["c-started", f"a-had-{specs['a'][2]}"]  # c began after a ended
+    _check(inner, client, specs)
+    warnings = [r for r in caplog.records if "cannot merge" in r.getMessage()]
+    assert len(warnings) == 1 and "_OpaqueLayer" in warnings[0].getMessage()
