@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import logging
 
+from deployments.engine_metrics import create_replica_engine, start_engine_metrics
 from deployments.ingress import OpenAIIngress
 from deployments.model_client import InProcessClient
 from deployments.model_server import send_package_logs_to_replica_log
-from engines import create_engine
 from engines.config import EngineConfig
 
 logger = logging.getLogger("ray.serve")
@@ -48,8 +48,9 @@ class DirectStreamingServer(OpenAIIngress):
     async def __init__(self, model_id: str, engine_config: dict, settings: dict | None = None,
                        max_requests: int | None = None, backpressure_config: dict | None = None):
         send_package_logs_to_replica_log()
-        self.engine = create_engine(EngineConfig.from_dict(engine_config))
+        self.engine = create_replica_engine(model_id, EngineConfig.from_dict(engine_config))
         await self.engine.start()
+        self._engine_metrics = start_engine_metrics(model_id, self.engine)
         await self._setup({model_id: engine_config}, {model_id: InProcessClient(self.engine)}, settings,
                           max_requests=max_requests, backpressure_config=backpressure_config)
         self.watch_for_stop()
@@ -61,4 +62,6 @@ class DirectStreamingServer(OpenAIIngress):
         await self.engine.check_health()
 
     async def __del__(self) -> None:
+        if getattr(self, "_engine_metrics", None) is not None:
+            self._engine_metrics.cancel()
         await self.engine.shutdown()

@@ -5,9 +5,10 @@ through Ray's metrics (`ray.util.metrics`): each process hands them to its node'
 which serves them on Ray's Prometheus endpoint (`--metrics-export-port`) beside Ray Serve's own
 `ray_serve_*` metrics. Ray prefixes every name with `ray_` and counters get `_total`, so
 `lmserve_prompt_tokens` is scraped as `ray_lmserve_prompt_tokens_total`. Names follow vLLM's
-(`vllm:time_to_first_token_seconds`, ...), whose engine metrics stay available under their own
-names. Every series carries the labels `model_id` and `backend` (plus Ray's `WorkerId`,
-`NodeAddress`, `SessionName`, ...: sum over them).
+(`vllm:time_to_first_token_seconds`, ...); the engines' own metrics (`ray_vllm_*`,
+`ray_sglang_*`) are exported beside these by `deployments/engine_metrics.py`. Every series
+carries the labels `model_id` and `backend` (plus Ray's `WorkerId`, `NodeAddress`,
+`SessionName`, ...: sum over them).
 
 Times are measured with a monotonic clock from the moment the ingress handler starts (after the
 body is parsed) and are what a client sees minus the network: they include prompt rendering,

@@ -3,7 +3,8 @@
 A plain class; `deployments.app.build_app` turns it into a deployment. The model loads in the
 async constructor, so Ray Serve counts the replica ready only once it can serve (Ray Serve LLM's
 `LLMServer` does the same). Ray Serve calls `check_health` periodically; it delegates to the
-engine, so a dead engine gets its replica replaced.
+engine, so a dead engine gets its replica replaced. The engine's own metrics (vLLM's, the SGLang
+server's) are exported from here (deployments/engine_metrics.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import logging
 from typing import AsyncIterator
 
 from deployments.constants import STREAM_BATCHING_INTERVAL_S
+from deployments.engine_metrics import create_replica_engine, start_engine_metrics
 from deployments.stream_batching import batch_stream
-from engines import create_engine
 from engines.base import GenerationDelta, GenerationRequest, ModelInfo
 from engines.config import EngineConfig
 from engines.errors import ServingError
@@ -47,8 +48,9 @@ class ModelServer:
         self.model_id = model_id
         self.config = (engine_config if isinstance(engine_config, EngineConfig)
                        else EngineConfig.from_dict(engine_config))
-        self.engine = create_engine(self.config)
+        self.engine = create_replica_engine(model_id, self.config)
         await self.engine.start()
+        self._engine_metrics = start_engine_metrics(model_id, self.engine)
         logger.info("model %r ready on backend %s", model_id, self.config.infer_backend)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[GenerationDelta] | ServingError]:
@@ -81,4 +83,6 @@ class ModelServer:
         await self.engine.check_health()
 
     async def __del__(self) -> None:
+        if getattr(self, "_engine_metrics", None) is not None:
+            self._engine_metrics.cancel()
         await self.engine.shutdown()

