@@ -32,13 +32,15 @@ forward pass differs per architecture; its rows then join the batch and decode l
 (the image lives on in the KV cache).
 
 New requests thus join between decode steps, as in vLLM's scheduler; each request still gets
-its tokens as they are produced through its `emit` callback. Sampling follows transformers'
-logits processors (repetition penalty, temperature, top-k, top-p, min-p) plus OpenAI's presence
-and frequency penalties and `logit_bias` (added first, as vLLM does).
+its tokens as they are produced through its `emit` callback. Sampling (`engines.sampling`) runs
+over the whole batch at once with transformers' logits processors' semantics (repetition
+penalty, temperature, top-k, top-p, min-p) plus OpenAI's presence and frequency penalties and
+`logit_bias` (added first, as vLLM does).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -58,6 +60,7 @@ from transformers.cache_utils import (
 
 from engines.base import SamplingParams
 from engines.errors import ServingError
+from engines.sampling import BatchSampler
 
 logger = logging.getLogger(__name__)
 
@@ -762,49 +765,15 @@ class ContinuousBatcher:
 
     # ---- sampling -------------------------------------------------------------------------
 
+    @functools.cached_property
+    def _sampler(self) -> BatchSampler:
+        return BatchSampler()
+
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
-        """Next token per row; `logits` shape `[rows, vocab]` (float32), left unchanged (the
-        caller reports logprobs from them)."""
-        # The bias comes first, before penalties and warpers and for greedy rows too, as vLLM
-        # applies it (a logits processor that is not argmax-invariant, then the penalties).
-        logits = _with_logit_bias(rows, logits)
-        plain_greedy = all(r.request.params.greedy and not _has_penalties(r.request.params) for r in rows)
-        if plain_greedy:
-            return logits.argmax(dim=-1)
-        return torch.stack([self._sample_row(row, logits[i:i + 1]) for i, row in enumerate(rows)])
-
-    def _sample_row(self, row: _Row, scores: torch.Tensor) -> torch.Tensor:
-        from transformers.generation.logits_process import (
-            MinPLogitsWarper,
-            RepetitionPenaltyLogitsProcessor,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        p = row.request.params
-        if _has_penalties(p):
-            scores = scores.clone()
-            if p.repetition_penalty and p.repetition_penalty != 1.0:
-                seen = torch.tensor([row.request.prompt_ids + row.generated], device=scores.device)
-                scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(seen, scores)
-            if (p.presence_penalty or p.frequency_penalty) and row.generated:
-                # OpenAI semantics: penalise by each token's count in the completion so far.
-                counts = torch.bincount(torch.tensor(row.generated, device=scores.device),
-                                        minlength=scores.shape[-1])[None, :scores.shape[-1]].to(scores.dtype)
-                scores -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
-        if p.greedy:
-            return scores.argmax(dim=-1)[0]
-        dummy_ids = torch.empty((1, 0), dtype=torch.long, device=scores.device)
-        scores = TemperatureLogitsWarper(p.temperature)(dummy_ids, scores)
-        if p.top_k and p.top_k > 0:
-            scores = TopKLogitsWarper(p.top_k)(dummy_ids, scores)
-        if p.top_p is not None and p.top_p < 1.0:
-            scores = TopPLogitsWarper(p.top_p)(dummy_ids, scores)
-        if p.min_p and p.min_p > 0:
-            scores = MinPLogitsWarper(p.min_p)(dummy_ids, scores)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1, generator=row.request.generator)[0, 0]
+        """Next token per row (`engines.sampling.BatchSampler`, all rows at once, each with its
+        own parameters and generator); `logits` shape `[rows, vocab]` (float32), left unchanged
+        (the caller reports logprobs from them)."""
+        return self._sampler.sample(rows, logits)
 
 
 def _config_cache_mergeable(model: Any) -> bool:
@@ -826,19 +795,3 @@ def supports_logits_to_keep(model: Any) -> bool:
     return bool(check()) if callable(check) else False
 
 
-def _with_logit_bias(rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
-    """`logits` (`[rows, vocab]`) plus each row's `logit_bias` at its token ids, as a new tensor;
-    `logits` itself when no row has a bias. Token ids were checked against the vocabulary
-    (`prepare_generation`)."""
-    biased = [(i, r.request.params.logit_bias) for i, r in enumerate(rows) if r.request.params.logit_bias]
-    if not biased:
-        return logits
-    row_ids = [i for i, bias in biased for _ in bias]
-    token_ids = [tid for _, bias in biased for tid in bias]
-    values = [v for _, bias in biased for v in bias.values()]
-    index = (torch.tensor(row_ids, device=logits.device), torch.tensor(token_ids, device=logits.device))
-    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
-
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return bool((p.repetition_penalty and p.repetition_penalty != 1.0) or p.presence_penalty or p.frequency_penalty)
