@@ -10,7 +10,8 @@ growing by the sampled token for `--steps` steps; the two alternate step by step
 machine state (same logits, same seeds), so the ratio is read from one run. It also counts
 steps where their tokens differ (0 expected).
 
-Mixes: `greedy` (temperature 0), `mixed` (per row one of: greedy; LLaMA-Factory's generating
+Mixes: `greedy` (temperature 0), `defaults` (what a request that sets nothing gets:
+LLaMA-Factory's generating defaults, temperature 0.95, top-p 0.7, top-k 50), `mixed` (per row one of: greedy; LLaMA-Factory's generating
 defaults temperature 0.95, top-p 0.7, top-k 50; temperature 0.8 with min-p 0.1; temperature 1
 with top-k 20), `penalties` (the mixed rows plus repetition penalty 1.1, presence 0.5 and
 frequency 0.3 on every row). Prints the median time per step in ms and the ratio per-row /
@@ -34,6 +35,7 @@ VOCAB = 49152  # SmolLM2-135M's vocabulary
 
 MIXES: dict[str, list[SamplingParams]] = {
     "greedy": [SamplingParams(temperature=0.0)],
+    "defaults": [SamplingParams(temperature=0.95, top_p=0.7, top_k=50)],
     "mixed": [SamplingParams(temperature=0.0),
               SamplingParams(temperature=0.95, top_p=0.7, top_k=50),
               SamplingParams(temperature=0.8, min_p=0.1),

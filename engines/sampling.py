@@ -217,12 +217,12 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> t
         else:
             noise[i].exponential_(generator=generator)
     if at:
-        index = torch.tensor([i for i, flag in enumerate(sparse) if flag], device=probs.device)
-        mask = candidates.index_select(0, index)
+        index, picked = _rows_where(sparse, probs)
+        # (`index_select` of a bool tensor is slow on CPU: the probabilities are selected instead.)
+        where = (candidates if index is None else probs.index_select(0, index) > 0).nonzero(as_tuple=True)
         rows = torch.ones_like(uniform, dtype=probs.dtype)
-        at = mask.nonzero(as_tuple=True)
-        rows[at] = (-torch.log1p(-uniform[at])).to(probs.dtype)
-        noise.index_copy_(0, index, rows)
+        rows[where] = (-torch.log1p(-uniform[where])).to(probs.dtype)
+        noise = _put(noise, index, rows)
     return (probs / noise).argmax(dim=-1)
 
 
