@@ -10,21 +10,29 @@ growing by the sampled token for `--steps` steps; the two alternate step by step
 machine state (same logits, same seeds), so the ratio is read from one run. It also counts
 steps where their tokens differ (0 expected).
 
-Mixes: `greedy` (temperature 0), `defaults` (what a request that sets nothing gets:
-LLaMA-Factory's generating defaults, temperature 0.95, top-p 0.7, top-k 50), `mixed` (per row one of: greedy; LLaMA-Factory's generating
-defaults temperature 0.95, top-p 0.7, top-k 50; temperature 0.8 with min-p 0.1; temperature 1
-with top-k 20), `penalties` (the mixed rows plus repetition penalty 1.1, presence 0.5 and
-frequency 0.3 on every row). Prints the median time per step in ms and the ratio per-row /
+Mixes: `greedy` (temperature 0); `defaults`, what a request that sets nothing gets
+(LLaMA-Factory's generating defaults: temperature 0.95, top-p 0.7, top-k 50); `mixed`, per row
+one of greedy, the defaults, temperature 0.8 with min-p 0.1, temperature 1 with top-k 20;
+`penalties`, the mixed rows plus repetition penalty 1.1, presence 0.5 and frequency 0.3 on every
+row. Prints the median time per step in ms and the ratio per-row /
 batched (above 1: batched is faster).
+
+`--engine-streams N` measures instead what it does to the whole engine: the in-process
+huggingface engine on the default model, N concurrent streams of `--max-tokens` tokens each
+with the generating defaults (seeded, `ignore_eos`), rounds alternating between the batcher
+sampling per row and batched; output tokens/s per round and the ratio of the medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -167,13 +175,70 @@ def run(mix: str, n: int, steps: int, prompt_tokens: int) -> tuple[float, float,
     return statistics.median(old_ms), statistics.median(new_ms), differ
 
 
+async def _engine_round(engine, prompt_ids: list[list[int]], streams: int, max_tokens: int) -> float:
+    """Output tokens/s of `streams` concurrent seeded requests with the generating defaults."""
+    from engines.base import GenerationRequest
+
+    async def one(i: int) -> int:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i)
+        request = GenerationRequest(f"sampling-{i}-{time.monotonic_ns()}", prompt_ids[i % len(prompt_ids)], params)
+        return sum([d.num_tokens async for d in engine.generate(request)])
+
+    start = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i) for i in range(streams))))
+    return tokens / (time.perf_counter() - start)
+
+
+def engine_main(streams: int, rounds: int, max_tokens: int) -> None:
+    from bench import __file__ as bench_init
+    from engines import create_engine
+    from engines.config import EngineConfig
+    from engines.continuous_batching import ContinuousBatcher
+    from engines.model_source import ensure_embedded_model
+    from engines.prompt import PromptRenderer
+
+    model_dir = ensure_embedded_model()
+    prompts = json.loads((Path(bench_init).parent / "prompts.json").read_text())["prompts"]
+    renderer = PromptRenderer.from_pretrained(model_dir)
+    prompt_ids = [renderer.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    engine = create_engine(EngineConfig(model_name_or_path=str(model_dir)))
+    batched = ContinuousBatcher._sample
+    variants = {"per-row": lambda self, rows, logits: per_row(rows, logits), "batched": batched}
+    results: dict[str, list[float]] = {name: [] for name in variants}
+
+    async def go() -> None:
+        await engine.start()
+        try:
+            await _engine_round(engine, prompt_ids, 2, 8)  # warm-up
+            for r in range(rounds):
+                for name in variants if r % 2 == 0 else reversed(variants):
+                    ContinuousBatcher._sample = variants[name]
+                    results[name].append(await _engine_round(engine, prompt_ids, streams, max_tokens))
+                    print(f"round {r + 1} {name}: {results[name][-1]:.1f} tok/s", flush=True)
+        finally:
+            ContinuousBatcher._sample = batched
+            await engine.shutdown()
+
+    asyncio.run(go())
+    old, new = statistics.median(results["per-row"]), statistics.median(results["batched"])
+    print(f"\n{streams} streams x {max_tokens} tokens, generating defaults, medians of {rounds} rounds: "
+          f"per-row {old:.1f} tok/s, batched {new:.1f} tok/s, batched / per-row {new / old:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sampling", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,16,32", help="batch sizes, comma-separated")
     p.add_argument("--mixes", default=",".join(MIXES), help=f"parameter mixes: {', '.join(MIXES)}")
     p.add_argument("--steps", type=int, default=128, help="decode steps per case")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt tokens per row")
+    p.add_argument("--engine-streams", type=int, default=0,
+                   help="measure the in-process engine with this many streams instead (see above)")
+    p.add_argument("--rounds", type=int, default=3, help="--engine-streams: rounds per variant")
+    p.add_argument("--max-tokens", type=int, default=64, help="--engine-streams: tokens per request")
     args = p.parse_args(argv)
+    if args.engine_streams:
+        engine_main(args.engine_streams, args.rounds, args.max_tokens)
+        return 0
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, vocabulary {VOCAB}, "
           f"{args.steps} steps, {args.prompt_tokens}-token prompts\n")
     print("| mix | rows | per-row ms/step | batched ms/step | per-row / batched | steps with other tokens |")
