@@ -104,10 +104,6 @@ class BatchRequest:
     arrival_time: float = 0.0  # time.monotonic() when submitted (s), as vLLM's Request.arrival_time
     scheduled_time: float | None = None  # time.monotonic() when admitted to the batch (s)
 
-    @property
-    def reserved_tokens(self) -> int:
-        return (len(self.prompt_ids) + self.max_tokens) * self.params.n
-
 
 @dataclass(eq=False)
 class _Row:
@@ -477,6 +473,7 @@ class ContinuousBatcher:
         with self._wake:
             pending = list(self._waiting) + self._admitted_requests()
             self._waiting.clear()
+        self._rows, self._cache, self._mask, self._next_tokens, self._prefilling = [], None, None, None, None
         for request in pending:
             request.emit(self._stopped_error())
 
@@ -496,7 +493,7 @@ class ContinuousBatcher:
             return
         while not self._stopped and self._waiting:
             if (sum(r.params.n for r in self._waiting) >= self.max_num_seqs
-                    or sum(r.reserved_tokens for r in self._waiting) >= self.max_batch_tokens):
+                    or self._peak_positions(list(self._waiting)) >= self.max_batch_tokens):
                 return
             close = min(self._waiting[0].arrival_time + self.batch_wait_timeout_s,
                         self._waiting[-1].arrival_time + self.batch_wait_gap_s)
