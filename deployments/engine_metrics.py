@@ -79,26 +79,52 @@ def sglang_family(spec: MetricSpec) -> str:
     return "sglang:" + spec.name.removeprefix("sglang_")
 
 
+def _sample_name(spec: MetricSpec) -> str:
+    return sglang_family(spec) + ("_total" if spec.kind == "counter" else "")
+
+
+_SGLANG_SAMPLE_NAMES = frozenset(_sample_name(spec) for spec in SGLANG_METRICS)
+
+
+def _wanted_lines(text: str) -> str:
+    """The lines of `text` that belong to `SGLANG_METRICS`' series: their samples and their
+    `# HELP`/`# TYPE` lines (which name a counter with its `_total`). SGLang's whole text holds
+    dozens of histograms that are not re-exported, thousands of lines that parsing in full every
+    second would cost the replica's event loop, which relays the streams; a sample is one line
+    whose metric name ends at the first `{` or space."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            name = parts[2] if len(parts) > 2 else ""
+        else:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _SGLANG_SAMPLE_NAMES:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
 def parse_sglang_metrics(text: str) -> dict[str, dict[SampleKey, float]]:
     """SGLang's Prometheus text -> `{spec name: {rank label values: value}}` for the series in
-    `SGLANG_METRICS` (parsed with `prometheus_client.parser`), summed over SGLang's labels other
-    than `SGLANG_RANK_LABELS`; counters are their `_total` samples (not `_created`).
+    `SGLANG_METRICS` (their lines parsed with `prometheus_client.parser`), summed over SGLang's
+    labels other than `SGLANG_RANK_LABELS`; counters are their `_total` samples (not `_created`).
+    A series SGLang has not set yet is absent.
 
     Raises:
-        ValueError: text that is not Prometheus's text format.
+        ValueError: a line of those series that is not Prometheus's text format.
     """
     from prometheus_client.parser import text_string_to_metric_families
 
-    specs = {sglang_family(spec): spec for spec in SGLANG_METRICS}
+    # a counter's family is `sglang:x` under its `# TYPE` line, `sglang:x_total` (untyped) without
+    specs = {name: spec for spec in SGLANG_METRICS for name in {sglang_family(spec), _sample_name(spec)}}
     values: dict[str, dict[SampleKey, float]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_wanted_lines(text)):
         spec = specs.get(family.name)
         if spec is None:
             continue
-        sample_name = family.name + ("_total" if spec.kind == "counter" else "")
         series = values.setdefault(spec.name, {})
         for sample in family.samples:
-            if sample.name == sample_name:
+            if sample.name == _sample_name(spec):
                 key = tuple(str(sample.labels.get(label, "")) for label in SGLANG_RANK_LABELS)
                 series[key] = series.get(key, 0.0) + sample.value
     return values

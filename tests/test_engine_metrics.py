@@ -118,9 +118,15 @@ def test_sglangs_documented_format_ranks_kept_other_labels_summed_created_and_un
     }
 
 
-def test_text_that_is_not_prometheus_raises_value_error():
+def test_samples_without_their_type_lines_are_read_alike():
+    untyped = "\n".join(line for line in SGLANG_SAMPLE.splitlines() if not line.startswith("#")) + "\n"
+    assert parse_sglang_metrics(untyped) == parse_sglang_metrics(SGLANG_SAMPLE)
+
+
+def test_a_broken_line_of_a_re_exported_series_raises_value_error_and_others_are_not_read():
     with pytest.raises(ValueError):
-        parse_sglang_metrics("<html>not metrics</html>\n")
+        parse_sglang_metrics('sglang:token_usage{tp_rank="0" 0.5\n')
+    assert parse_sglang_metrics('<html>not metrics</html>\nsglang:other{{{ broken\n') == {}
 
 
 def test_names_are_sglangs_with_colon_made_underscore():
