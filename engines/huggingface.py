@@ -33,6 +33,7 @@ from engines.config import BASE_MODEL, EngineConfig
 from engines.continuous_batching import BatchRequest, ContinuousBatcher
 from engines.errors import ModelLoadError, ServingError
 from engines.model_source import resolve_model_path
+from engines.output import ChoiceOutput, RequestOutputCollector, WorkerHandoff, make_detokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -67,24 +68,13 @@ def pick_dtype(infer_dtype: str, model_dtype: Any, device: str) -> Any:
 
 
 @dataclass
-class _Choice:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    emitted_chars: int = 0
-    reported_tokens: int = 0
-    pending_logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-@dataclass
 class _RequestState:
     params: SamplingParams
     prompt_ids: list[int]
     max_tokens: int
     eos_ids: set[int]
     generator: Any
-    choices: list[_Choice] = field(default_factory=list)
+    choices: list[ChoiceOutput] = field(default_factory=list)
 
 
 # peft's adapter name for "no adapter" in a mixed batch (`adapter_names`).
@@ -175,13 +165,17 @@ def _lora_factors(layer: Any, name: str) -> tuple[Any, Any] | None:
     return None
 
 
-def _emit_to_loop(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, items: Any) -> None:
-    """Hand a batch step's items (or an exception) from the batcher thread to a request's loop;
-    dropped when that loop is already closed (its caller is gone, nobody is left to read them)."""
-    try:
-        loop.call_soon_threadsafe(events.put_nowait, items)
-    except RuntimeError:  # "Event loop is closed"
-        pass
+class _Batcher(ContinuousBatcher):
+    """The continuous batcher with each step's outputs handed to each event loop together
+    (`WorkerHandoff.step`): one wake-up per loop per step, not one per request."""
+
+    def __init__(self, handoff: WorkerHandoff, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._handoff = handoff
+
+    def _step(self) -> None:
+        with self._handoff.step():
+            super()._step()
 
 
 class HuggingFaceEngine(Engine):
@@ -208,6 +202,8 @@ class HuggingFaceEngine(Engine):
         # GenerationRequest.lora_name -> peft adapter name of the batch row (None: no peft model)
         self._peft_names: dict[str | None, str] = {}
         self._score_lock = asyncio.Lock()
+        # The batcher thread's hand-off to each event loop that has requests here (engines/output.py).
+        self._handoff = WorkerHandoff()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -220,7 +216,7 @@ class HuggingFaceEngine(Engine):
             self._info = self._reward.info
             return
         await asyncio.to_thread(self._load)
-        self._batcher = ContinuousBatcher(self._model, max_num_seqs=self.config.hf.max_num_seqs,
+        self._batcher = _Batcher(self._handoff, self._model, max_num_seqs=self.config.hf.max_num_seqs,
                                           max_batch_tokens=self.config.hf.max_batch_tokens,
                                           use_kv_cache=self.config.use_kv_cache,
                                           batch_wait_timeout_s=self.config.hf.batch_wait_timeout_ms / 1e3,
@@ -321,7 +317,10 @@ class HuggingFaceEngine(Engine):
         if self._model is None or self._batcher is None:
             raise ServingError.unavailable("huggingface engine: model not loaded")
         if not self._batcher.alive:
-            raise ServingError.unavailable("huggingface engine: batching thread is not running")
+            # Dead after repeated failed steps (continuous_batching.MAX_CONSECUTIVE_STEP_FAILURES):
+            # failing here has Ray Serve replace the replica.
+            raise ServingError.unavailable("huggingface engine: "
+                                           + (self._batcher.dead_reason or "batching thread is not running"))
 
     async def shutdown(self) -> None:
         if self._batcher is not None:
@@ -359,34 +358,36 @@ class HuggingFaceEngine(Engine):
                                              "and does not generate", param="model")
         await self.check_health()
         state = self._new_state(request)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        collector = RequestOutputCollector()
         batch_request = BatchRequest(
             request_id=request.request_id, prompt_ids=state.prompt_ids, params=state.params,
             max_tokens=state.max_tokens, eos_ids=state.eos_ids, generator=state.generator,
             lora_name=self._peft_names.get(request.lora_name), model_inputs=self._model_inputs(request),
-            emit=partial(_emit_to_loop, loop, events),
+            emit=partial(self._handoff.for_loop(asyncio.get_running_loop()).emit, collector),
         )
         self._batcher.submit(batch_request)
         try:
             while True:
-                items = await events.get()
-                if isinstance(items, BaseException):
-                    raise ServingError.unavailable(f"huggingface engine failed: {type(items).__name__}: {items}")
-                deltas = []
+                try:
+                    items = await collector.get()
+                except Exception as exc:  # the batch step failed, or the batcher stopped
+                    raise ServingError.unavailable(f"huggingface engine failed: {type(exc).__name__}: {exc}") from exc
+                # Every token handed over since the last wake-up, then one delta per choice.
+                touched: dict[int, ChoiceOutput] = {}
                 for index, token, finish, stop_reason, logprobs in items:
                     choice = state.choices[index]
-                    if logprobs is not None:
-                        choice.pending_logprobs.append(self._token_logprob(token, logprobs))
-                    delta = self._advance(state, choice, token, finish, stop_reason)
-                    if choice.finish_reason and not finish:  # a stop string ended it here
+                    if choice.finished:
+                        continue
+                    logprob = self._token_logprob(token, logprobs) if logprobs is not None else None
+                    choice.add_token(token, logprob, finish, stop_reason)
+                    if choice.finished and not finish:  # a stop string ended it here
                         self._batcher.finish_choice(batch_request, index)
-                    if delta:
-                        deltas.append(delta)
-                done = all(c.finish_reason for c in state.choices)
+                    touched[index] = choice
+                deltas = [d for c in touched.values() if (d := c.take_delta()) is not None]
+                done = all(c.finished for c in state.choices)
                 if done:
-                    completion = sum(len(c.token_ids) for c in state.choices)
-                    usage = Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=completion)
+                    usage = Usage(prompt_tokens=len(state.prompt_ids),
+                                  completion_tokens=sum(c.num_tokens for c in state.choices))
                     if deltas:
                         deltas[-1].usage = usage
                     else:
@@ -432,54 +433,13 @@ class HuggingFaceEngine(Engine):
         return _RequestState(
             params=params, prompt_ids=list(request.prompt_token_ids), max_tokens=max_tokens,
             eos_ids=set() if params.ignore_eos else self._eos_ids, generator=generator,
-            choices=[_Choice(index=i) for i in range(params.n)],
+            choices=[ChoiceOutput(i, params.stop,
+                                  detokenizer=make_detokenizer(self._tokenizer, params.skip_special_tokens))
+                     for i in range(params.n)],
         )
-
-    # Runs on the event loop: detokenize, apply stop conditions, build the delta for one choice.
-    def _advance(self, state: _RequestState, choice: _Choice, token: int, finish: str | None,
-                 stop_reason: str | int | None) -> GenerationDelta | None:
-        """Detokenize one new token of a choice and apply stop strings; `finish` is the worker's
-        verdict (end-of-turn or stop token -> "stop", max tokens -> "length")."""
-        if choice.finish_reason:
-            return None
-        p = state.params
-        choice.token_ids.append(token)
-        if finish == "stop":  # an end-of-turn or stop token: its text is not part of the output
-            choice.finish_reason, choice.stop_reason = "stop", stop_reason
-            text = self._decode_text(choice.token_ids[:-1], p)
-            return self._delta(choice, text[choice.emitted_chars:], len(text))
-        text = self._decode_text(choice.token_ids, p)
-        if p.stop:
-            start = max(0, choice.emitted_chars - max(len(s) for s in p.stop) + 1)
-            hits = [(pos, s) for s in p.stop if (pos := text.find(s, start)) != -1]
-            if hits:
-                pos, stop = min(hits)
-                choice.finish_reason, choice.stop_reason = "stop", stop
-                return self._delta(choice, text[choice.emitted_chars:pos], pos)
-        if finish == "length":
-            choice.finish_reason = "length"
-            return self._delta(choice, text[choice.emitted_chars:], len(text))
-        # Hold back an incomplete UTF-8 sequence and anything that could start a stop string.
-        safe_end = len(text.rstrip("\ufffd"))
-        if p.stop:
-            safe_end = min(safe_end, len(text) - max(len(s) for s in p.stop) + 1)
-        if safe_end <= choice.emitted_chars:
-            return None
-        return self._delta(choice, text[choice.emitted_chars:safe_end], safe_end)
-
-    def _delta(self, choice: _Choice, text: str, emitted_to: int) -> GenerationDelta:
-        num_tokens = len(choice.token_ids) - choice.reported_tokens
-        choice.reported_tokens = len(choice.token_ids)
-        choice.emitted_chars = max(choice.emitted_chars, emitted_to)
-        logprobs, choice.pending_logprobs = choice.pending_logprobs or None, []
-        return GenerationDelta(index=choice.index, text=text, num_tokens=num_tokens, logprobs=logprobs,
-                               finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
 
     def _token_logprob(self, token: int, logprobs: tuple) -> TokenLogprob:
         logprob, top = logprobs
         decode = self._tokenizer.decode
         return TokenLogprob(token_id=token, token=decode([token]), logprob=logprob,
                             top_logprobs=[TokenLogprob(t, decode([t]), lp) for t, lp in top])
-
-    def _decode_text(self, token_ids: list[int], params: SamplingParams) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)

@@ -31,7 +31,6 @@ import os
 import secrets
 import sys
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -53,6 +52,7 @@ from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.errors import ModelLoadError, ServingError
 from engines.lora import check_adapters_fit
 from engines.model_source import model_config_json, model_max_len, resolve_model_path
+from engines.output import ChoiceOutput
 from engines.server_process import ServerProcess, free_port
 
 logger = logging.getLogger(__name__)
@@ -214,21 +214,9 @@ def _error_message(body: Any) -> str:
     return str(body)
 
 
-@dataclass
-class _Choice:
-    """One choice of a streamed request: what SGLang has sent and what was passed on."""
-
-    text: str = ""
-    emitted_chars: int = 0
-    tokens: int = 0
-    reported_tokens: int = 0
-    logprobs_seen: int = 0
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-
-
 class _StreamParser:
-    """Turns SGLang's stream outputs (cumulative text per choice) into deltas.
+    """Turns SGLang's stream outputs (cumulative text and token count per choice) into deltas
+    through one `engines.output.ChoiceOutput` per choice.
 
     Text that could be the start of a stop string is held back until the choice moves past it
     or finishes: SGLang trims a matched stop string from the final text, possibly after having
@@ -237,17 +225,18 @@ class _StreamParser:
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.choices = [_Choice() for _ in range(params.n)]
+        # SGLang finds the stop strings itself; lmserve holds back their beginnings.
+        self.choices = [ChoiceOutput(i, params.stop, find_stops=False) for i in range(params.n)]
+        self._logprobs_seen = [0] * params.n
         self.rids: set[str] = set()
         self.prompt_tokens = 0
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
 
     @property
     def done(self) -> bool:
         return all(c.finished for c in self.choices)
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=sum(c.tokens for c in self.choices))
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=sum(c.num_tokens for c in self.choices))
 
     def feed(self, out: dict[str, Any]) -> GenerationDelta | None:
         """One `data:` object of the stream -> a delta, or None while nothing can be passed on.
@@ -269,24 +258,17 @@ class _StreamParser:
         if meta.get("id"):
             self.rids.add(str(meta["id"]))
         self.prompt_tokens = int(meta.get("prompt_tokens", self.prompt_tokens))
-        choice.tokens = int(meta.get("completion_tokens", choice.tokens))
-        choice.text = out.get("text") or choice.text
-        self._take_logprobs(choice, meta)
+        tokens = int(meta.get("completion_tokens", choice.num_tokens))
+        logprobs = self._new_logprobs(index, meta)
+        text = out.get("text")
+        if text is None:
+            choice.add_text("", tokens - choice.num_tokens, logprobs)
+        else:
+            choice.set_text(text, tokens, logprobs)
         finish, stop_reason = self._finish(meta.get("finish_reason"))
         if finish is not None:
-            choice.finished = True
-            end = len(choice.text)
-        else:
-            end = (len(choice.text.rstrip("\ufffd")) - self.hold if self.params.stop
-                   else len(choice.text.rstrip("\ufffd")))
-        if end <= choice.emitted_chars and finish is None:
-            return None
-        text = choice.text[choice.emitted_chars:end] if end > choice.emitted_chars else ""
-        choice.emitted_chars = max(choice.emitted_chars, end)
-        num_tokens, choice.reported_tokens = choice.tokens - choice.reported_tokens, choice.tokens
-        logprobs, choice.pending_logprobs = choice.pending_logprobs or None, []
-        return GenerationDelta(index=index, text=text, num_tokens=num_tokens, finish_reason=finish,
-                               stop_reason=stop_reason, logprobs=logprobs if self.params.logprobs is not None else None)
+            choice.finish(finish, stop_reason)
+        return choice.take_delta()
 
     def _finish(self, reason: Any) -> tuple[str | None, str | int | None]:
         """SGLang's `finish_reason` -> (lmserve finish reason, stop reason). `matched` is the stop
@@ -313,19 +295,21 @@ class _StreamParser:
         raise ServingError.unavailable(f"sglang aborted the request ({status or 'no status'}): {message}; "
                                        "retry the request")
 
-    def _take_logprobs(self, choice: _Choice, meta: dict[str, Any]) -> None:
-        """New entries of the cumulative `output_token_logprobs` / `output_top_logprobs`
-        (`[logprob, token_id, text]` each) -> `TokenLogprob`s waiting for the next delta."""
+    def _new_logprobs(self, index: int, meta: dict[str, Any]) -> list[TokenLogprob]:
+        """New entries of choice `index`'s cumulative `output_token_logprobs` /
+        `output_top_logprobs` (`[logprob, token_id, text]` each) as `TokenLogprob`s."""
         tokens = meta.get("output_token_logprobs")
         if self.params.logprobs is None or not tokens:
-            return
+            return []
         tops = meta.get("output_top_logprobs") or []
-        for i in range(choice.logprobs_seen, len(tokens)):
+        new = []
+        for i in range(self._logprobs_seen[index], len(tokens)):
             logprob, token_id, text = tokens[i][:3]
             alternatives = [TokenLogprob(int(t), s or "", float(lp)) for lp, t, s, *_ in (tops[i] or [])] \
                 if i < len(tops) else []
-            choice.pending_logprobs.append(TokenLogprob(int(token_id), text or "", float(logprob), alternatives))
-        choice.logprobs_seen = len(tokens)
+            new.append(TokenLogprob(int(token_id), text or "", float(logprob), alternatives))
+        self._logprobs_seen[index] = len(tokens)
+        return new
 
 
 class SGLangEngine(Engine):

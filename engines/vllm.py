@@ -38,6 +38,7 @@ from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.errors import ModelLoadError, ServingError
 from engines.lora import check_adapters_fit
 from engines.model_source import model_max_len, resolve_model_path
+from engines.output import ChoiceOutput
 
 logger = logging.getLogger(__name__)
 
@@ -173,17 +174,6 @@ def _device() -> str:
     from vllm.platforms import current_platform
 
     return "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
-
-
-class _Choice:
-    """Per-choice bookkeeping: tokens not yet reported (vLLM may hold text back for stop strings)."""
-
-    __slots__ = ("tokens", "pending", "logprobs")
-
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.pending = 0
-        self.logprobs: list[TokenLogprob] | None = None
 
 
 class VLLMEngine(Engine):
@@ -375,7 +365,8 @@ class VLLMEngine(Engine):
         except (ValueError, VLLMClientError) as exc:
             raise ServingError.invalid_request(str(exc), param=getattr(exc, "parameter", None)) from None
 
-        choices = [_Choice() for _ in range(params.n)]
+        # vLLM finds stop strings and holds back their beginnings itself (its detokenizer).
+        choices = [ChoiceOutput(i, find_stops=False, hold_stop_prefix=False) for i in range(params.n)]
         stream = llm.generate(_prompt(request), vllm_params, request.request_id, lora_request=lora_request)
         # aclosing: when our consumer closes us (client gone), vLLM's generator is closed at once
         # and aborts the request in the engine core, instead of whenever it is garbage collected.
@@ -392,7 +383,7 @@ class VLLMEngine(Engine):
                 deltas = [d for d in (self._delta(choices[o.index], o, params) for o in out.outputs) if d]
                 if out.finished:
                     usage = Usage(prompt_tokens=len(prompt_ids),
-                                  completion_tokens=sum(c.tokens for c in choices))
+                                  completion_tokens=sum(c.num_tokens for c in choices))
                     if deltas:
                         deltas[-1].usage = usage
                     else:
@@ -402,27 +393,20 @@ class VLLMEngine(Engine):
                 if out.finished:
                     return
 
-    def _delta(self, choice: _Choice, output: Any, params: SamplingParams) -> GenerationDelta | None:
+    def _delta(self, choice: ChoiceOutput, output: Any, params: SamplingParams) -> GenerationDelta | None:
         """One vLLM `CompletionOutput` (delta mode) -> a delta, or None while there is no text."""
-        new_tokens = list(output.token_ids)
-        choice.tokens += len(new_tokens)
-        choice.pending += len(new_tokens)
-        if params.logprobs is not None and output.logprobs:
-            choice.logprobs = (choice.logprobs or []) + self._logprobs(new_tokens, output.logprobs, params.logprobs)
         finish = output.finish_reason
         if finish == "error":
             raise ServingError.unavailable("vllm engine: the request failed inside the engine (retryable)")
         if finish == "abort":
             raise ServingError.unavailable("vllm engine: the engine aborted the request (retryable)")
-        if not output.text and finish is None:
-            return None
-        delta = GenerationDelta(
-            index=output.index, text=output.text, num_tokens=choice.pending,
-            finish_reason=None if finish is None else ("length" if finish == "length" else "stop"),
-            stop_reason=output.stop_reason, logprobs=choice.logprobs,
-        )
-        choice.pending, choice.logprobs = 0, None
-        return delta
+        new_tokens = list(output.token_ids)
+        logprobs = (self._logprobs(new_tokens, output.logprobs, params.logprobs)
+                    if params.logprobs is not None and output.logprobs else ())
+        choice.add_text(output.text, len(new_tokens), logprobs)
+        if finish is not None:
+            choice.finish("length" if finish == "length" else "stop", output.stop_reason)
+        return choice.take_delta()
 
     @staticmethod
     def _logprobs(token_ids: list[int], positions: Any, top: int) -> list[TokenLogprob]:

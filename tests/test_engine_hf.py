@@ -645,3 +645,43 @@ def test_num_running_counts_a_prefill_through_its_last_step(hf_engine, renderer)
         rec.wait("long")
         rec.batcher.cancel(running)
     assert seen == [(2, 0)]
+
+
+def test_a_consumer_that_lags_gets_its_pending_tokens_in_one_delta(hf_engine, renderer):
+    """Tokens generated while nobody reads the stream are merged (engines/output.py
+    `RequestOutputCollector`), not queued one step object each."""
+    ids = renderer.render_chat(QUESTION)
+    full = text_of(generate(hf_engine, ids, temperature=0, max_tokens=24, ignore_eos=True))
+
+    async def lagging():
+        gen = hf_engine.generate(GenerationRequest("lag", ids, SamplingParams(temperature=0, max_tokens=24,
+                                                                               ignore_eos=True)))
+        first = await gen.__anext__()
+        deadline = time.monotonic() + 60  # a guard against a hang, not a measurement
+        while hf_engine.num_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # the rest is generated meanwhile, unread
+        return first, [d async for d in gen]
+
+    first, rest = run(lagging())
+    assert len(rest) == 1 and rest[0].finish_reason == "length"
+    assert first.num_tokens + rest[0].num_tokens == rest[0].usage.completion_tokens == 24
+    assert first.text + rest[0].text == full
+
+
+def test_the_batcher_wakes_an_event_loop_once_per_step_not_once_per_request(hf_engine, renderer):
+    ids = renderer.render_chat(QUESTION)
+
+    async def eight_streams():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args, **kwargs: wakeups.append(args) or original(*args, **kwargs)
+        steps = hf_engine._batcher.steps
+        results = await asyncio.gather(*(collect(hf_engine, GenerationRequest(
+            f"wake{i}", ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))) for i in range(8)))
+        return len(wakeups), hf_engine._batcher.steps - steps, results
+
+    wakeups, steps, results = run(eight_streams())
+    assert all(r[-1].usage.completion_tokens == 16 for r in results)
+    # one wake-up per request per step would be 8 x 16 = 128
+    assert wakeups <= steps < 8 * 16
