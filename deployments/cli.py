@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
@@ -93,53 +92,17 @@ def _api(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    """Terminal chat with an in-process engine, like `llamafactory-cli chat` (`clear`, `exit`).
-    The model's weights and adapters are looked for first, as `lmserve check` does."""
+    """Terminal chat with an in-process engine, like `llamafactory-cli chat` (`clear`, `exit`;
+    `deployments/terminal_chat.py`). The model's weights and adapters are looked for first, as
+    `lmserve check` does."""
     config = load_config_file(args.config, args.overrides)
     try:
         check_model_sources(config.model_name_or_path, config)
     except ConfigError as exc:
         raise ConfigError(f"{args.config}: {exc}") from None
-    return asyncio.run(_chat_loop(config))
+    from deployments.terminal_chat import run_chat
 
-
-async def _chat_loop(config) -> int:
-    import uuid
-
-    from engines import create_engine
-    from engines.base import GenerationRequest, SamplingParams
-    from engines.prompt import PromptRenderer
-
-    engine = create_engine(config)
-    await engine.start()
-    renderer = await asyncio.to_thread(PromptRenderer.for_config, engine.model_path, config)
-    messages: list[dict] = []
-    print("Welcome to the CLI application, use `clear` to remove the history, use `exit` to exit the application.")
-    try:
-        while True:
-            try:
-                query = await asyncio.to_thread(input, "\nUser: ")
-            except EOFError:
-                break
-            if query.strip() == "exit":
-                break
-            if query.strip() == "clear":
-                messages = []
-                print("History has been removed.")
-                continue
-            messages.append({"role": "user", "content": query})
-            print("Assistant: ", end="", flush=True)
-            ids = renderer.render_chat(messages)
-            response = []
-            params = renderer.with_stop_token_ids(SamplingParams())
-            async for delta in engine.generate(GenerationRequest(uuid.uuid4().hex, ids, params)):
-                print(delta.text, end="", flush=True)
-                response.append(delta.text)
-            print()
-            messages.append({"role": "assistant", "content": "".join(response)})
-    finally:
-        await engine.shutdown()
-    return 0
+    return run_chat(config)
 
 
 def _positive_int(text: str) -> int:
