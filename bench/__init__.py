@@ -8,6 +8,7 @@
 - `servers`: servers started in process groups of their own and always stopped.
 - `venvs`: the peers' virtual environments under bench/.venvs/.
 - `inprocess`, `lmserve_server`: the child processes of the in-process and lmserve targets.
+- `sampling`: `python -m bench.sampling`, time per sampling step, per-row against batched.
 - `lab`: probes a developer runs to find out where time goes (`python -m bench.lab.<probe>`).
 
 Benchmarks print numbers; tests never time anything.
