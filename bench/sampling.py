@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from engines.base import SamplingParams
-from engines.sampling import BatchSampler
+from engines.sampling import BatchSampler, with_logit_bias
 
 VOCAB = 49152  # SmolLM2-135M's vocabulary
 
@@ -128,14 +128,7 @@ def _sample_row(row, scores: torch.Tensor) -> torch.Tensor:
 
 
 def _with_logit_bias(rows: list, logits: torch.Tensor) -> torch.Tensor:
-    biased = [(i, r.request.params.logit_bias) for i, r in enumerate(rows) if r.request.params.logit_bias]
-    if not biased:
-        return logits
-    row_ids = [i for i, bias in biased for _ in bias]
-    token_ids = [tid for _, bias in biased for tid in bias]
-    values = [v for _, bias in biased for v in bias.values()]
-    index = (torch.tensor(row_ids, device=logits.device), torch.tensor(token_ids, device=logits.device))
-    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+    return with_logit_bias(logits, [r.request.params.logit_bias for r in rows])
 
 
 def _has_penalties(p: SamplingParams) -> bool:

@@ -427,14 +427,23 @@ class SGLangEngine(Engine):
     async def check_health(self) -> None:
         """Raises ServingError (UNAVAILABLE) when the server has exited, or its `/health` does not
         answer 200 within `sglang_health_timeout_s` seconds."""
+        await self._get_ok("/health")
+
+    async def _get_ok(self, path: str) -> httpx.Response:
+        """GET `path` from the server within `sglang_health_timeout_s` seconds.
+
+        Raises:
+            ServingError: UNAVAILABLE when it does not answer, or answers other than 200.
+        """
         client = self._require_client()
         try:
-            response = await client.get("/health", timeout=self.config.sglang.health_timeout_s)
+            response = await client.get(path, timeout=self.config.sglang.health_timeout_s)
         except httpx.HTTPError as exc:
-            raise ServingError.unavailable(f"{self.server_name} server does not answer /health: "
+            raise ServingError.unavailable(f"{self.server_name} server does not answer {path}: "
                                            f"{type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
-            raise ServingError.unavailable(f"{self.server_name} server /health answered {response.status_code}")
+            raise ServingError.unavailable(f"{self.server_name} server {path} answered {response.status_code}")
+        return response
 
     async def shutdown(self) -> None:
         """End the server's process group (SIGTERM, then SIGKILL) and close the HTTP client."""
@@ -456,15 +465,7 @@ class SGLangEngine(Engine):
                 `sglang_health_timeout_s` seconds, or answers other than 200 (404 when
                 `sglang_config` turned `enable_metrics` off).
         """
-        client = self._require_client()
-        try:
-            response = await client.get("/metrics", timeout=self.config.sglang.health_timeout_s)
-        except httpx.HTTPError as exc:
-            raise ServingError.unavailable(f"{self.server_name} server does not answer /metrics: "
-                                           f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code != 200:
-            raise ServingError.unavailable(f"{self.server_name} server /metrics answered {response.status_code}")
-        return response.text
+        return (await self._get_ok("/metrics")).text
 
     @property
     def num_running(self) -> int:
