@@ -73,7 +73,6 @@ def _api(args: argparse.Namespace) -> int:
     `_run_until_signalled` says: a model that fails to load, or a replica that cannot be placed,
     ends the command with its cause and exit status 1."""
     apply_ray_high_throughput_env()  # before Ray Serve's modules read their settings
-    import ray
     from ray import serve
 
     from deployments.router import describe_served_models
@@ -82,13 +81,39 @@ def _api(args: argparse.Namespace) -> int:
     config, model_id = checked.engine_config, checked.model_id
     host, port = settings().api_host, settings().api_port
     _isolate_a_new_local_cluster(port)
-    ray.init()
+    logs = _start_ray("api", args.verbose)
     serve.start(http_options={"host": host, "port": port})
     print(f"lmserve: serving {config.model_name_or_path!r} as model {describe_served_models(model_id, config)} "
           f"({config.infer_backend}) on http://{host}:{port}/v1", file=sys.stderr)
     stop = _drain_on_signals()
     serve.run_many(checked.targets, wait_for_applications_running=False)
-    return _run_until_signalled(["lmserve"], stop, ready=f"model {model_id!r} on http://{host}:{port}/v1")
+    return _run_until_signalled(["lmserve"], stop, ready=f"model {model_id!r} on http://{host}:{port}/v1", logs=logs)
+
+
+def _start_ray(command: str, verbose: bool, **init_args) -> str:
+    """`ray.init(**init_args)`, quietly unless `verbose` (`deployments/console.py`: the driver's
+    Ray records and warnings go to this run's log file, the workers' output stays in Ray's log
+    files, and what Ray prints while Serve shuts down goes to the file too).
+
+    Returns:
+        where the logs are, for the ready line: this run's file (unless `verbose`) and Ray's
+        session `logs/` folder.
+    """
+    import ray
+
+    from deployments.console import driver_log_path, quiet_ray_console
+
+    global _QUIET_LOG
+    log_path = None
+    if not verbose:
+        log_path = _QUIET_LOG = driver_log_path(command)
+        quiet_ray_console(log_path)
+    context = ray.init(log_to_driver=verbose, **init_args)
+    session_dir = (getattr(context, "address_info", None) or {}).get("session_dir")
+    where = [str(log_path)] if log_path else []
+    if session_dir:
+        where.append(f"Ray's in {session_dir}/logs")
+    return ", ".join(where)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -162,14 +187,13 @@ def _serve(args: argparse.Namespace) -> int:
             different `runtime_env`s per application).
     """
     apply_ray_high_throughput_env()  # before Ray Serve's modules read their settings
-    import ray
     from ray import serve
     from ray.serve.config import ProxyLocation, gRPCOptions
 
     checked = preflight(args.config, kind="serve")
     config = checked.serve_config
     _isolate_a_new_local_cluster(config.http_options.port)
-    ray.init(namespace="serve", runtime_env=checked.runtime_env)
+    logs = _start_ray("serve", args.verbose, namespace="serve", runtime_env=checked.runtime_env)
     serve.start(
         http_options=config.http_options.model_dump(),
         proxy_location=config.proxy_location or ProxyLocation.EveryNode,
@@ -181,8 +205,14 @@ def _serve(args: argparse.Namespace) -> int:
     serve.run_many(checked.targets, wait_for_applications_running=False)
     print(f"lmserve: deployed {args.config}; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
     base = f"http://{config.http_options.host}:{config.http_options.port}"
-    routes = ", ".join(f"{target.name} on {base}{target.route_prefix or ''}" for target in checked.targets)
-    return _run_until_signalled([target.name for target in checked.targets], stop, ready=routes)
+    routes = []
+    for target in checked.targets:
+        prefix = (target.route_prefix or "").rstrip("/")
+        model_ids = checked.model_ids.get(target.name)
+        routes.append(f"{'models ' + ', '.join(map(repr, model_ids))} on {base}{prefix}/v1" if model_ids
+                      else f"{target.name} on {base}{prefix or '/'}")
+    return _run_until_signalled([target.name for target in checked.targets], stop, ready="; ".join(routes),
+                                logs=logs)
 
 
 def _drain_on_signals() -> dict[str, int]:
@@ -203,7 +233,8 @@ def _drain_on_signals() -> dict[str, int]:
     return stop
 
 
-def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = None, ready: str | None = None) -> int:
+def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = None, ready: str | None = None,
+                         logs: str | None = None) -> int:
     """Keep this process (the Serve driver) up until SIGTERM or SIGINT (handlers from
     `_drain_on_signals`, installed here unless `stop` comes from an earlier call), then drain:
     delete the applications, which lets every replica finish its in-flight requests (up to its
@@ -211,7 +242,7 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
     requests are refused, and shut Serve down. A second signal stops at once.
 
     Meanwhile the applications' start is watched (`StartupWatcher`): once they all run, one line
-    says so, with `ready` (where they answer) and where Prometheus scrapes the metrics; an
+    says so, with `ready` (where they answer), where Prometheus scrapes the metrics and `logs`; an
     application that fails to deploy, or a replica that Ray cannot place for
     `LMSERVE_SCHEDULE_TIMEOUT_S`, is one line with its cause, and Serve is shut down.
 
@@ -246,6 +277,7 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
                 metrics = metrics_address()
                 print(f"lmserve: ready: {ready or ', '.join(app_names)}"
                       + (f"; Prometheus metrics: {metrics}" if metrics else "")
+                      + (f"; logs: {logs}" if logs else "")
                       + "; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + CLUSTER_CHECK_INTERVAL_S
@@ -264,9 +296,18 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
     except KeyboardInterrupt:
         print("lmserve: second signal, stopping now", file=sys.stderr)
     finally:
+        if _QUIET_LOG is not None:
+            from deployments.console import divert_stdout
+
+            divert_stdout(_QUIET_LOG)
         if not cluster_gone:  # nothing left to shut down; Serve's calls would wait for the GCS
             serve.shutdown()
+    print("lmserve: stopped", file=sys.stderr)
     return 0
+
+
+# This run's log file when `_start_ray` was quiet (no --verbose); None otherwise.
+_QUIET_LOG = None
 
 
 CLUSTER_CHECK_INTERVAL_S = 2.0
@@ -347,6 +388,10 @@ def _render_k8s(args: argparse.Namespace) -> int:
     return 0
 
 
+VERBOSE_HELP = ("print Ray's own messages and the workers' output here too (by default they go to the log files "
+                "the ready line names)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmserve",
                                      description="Serve LLMs on Ray Serve with an OpenAI-compatible API.")
@@ -357,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text)
         p.add_argument("config", help="LLaMA-Factory inference YAML, e.g. model_name_or_path: smollm2")
         p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
+        if name == "api":
+            p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
         p.set_defaults(func=func)
     p = sub.add_parser("batch", help="generate predictions for a dataset on Ray Data (alpaca/sharegpt JSON/JSONL)")
     p.add_argument("config", help="LLaMA-Factory inference YAML")
@@ -372,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_batch)
     p = sub.add_parser("serve", help="run a Ray Serve config (default serve_config.yaml)")
     p.add_argument("config", nargs="?", default=settings().config)
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=_serve)
     p = sub.add_parser("download", help="fetch and convert a model into $LMSERVE_HOME (default: smollm2)")
     p.add_argument("name", nargs="?", default="smollm2")

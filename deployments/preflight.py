@@ -35,6 +35,8 @@ class Preflight:
         serve_config: the `ServeDeploySchema` of a `serve` file (its `http_options`, ...).
         runtime_env: the Ray job's `runtime_env` (`serve` only; see `job_runtime_env`).
         engine_config, model_id: the one model of an `api` file, and the model ID it is served as.
+        model_ids: application name -> the model IDs it configures (`serve`; lmserve's own
+            `build_app` applications only).
     """
 
     kind: Literal["api", "serve"]
@@ -44,6 +46,7 @@ class Preflight:
     runtime_env: dict | None = None
     engine_config: EngineConfig | None = None
     model_id: str | None = None
+    model_ids: dict[str, list[str]] = field(default_factory=dict)
 
 
 def preflight(path: str, overrides: list[str] | None = None,
@@ -114,6 +117,8 @@ def _serve_preflight(path: str, doc: dict) -> Preflight:
     for app in config.applications:
         target, models = run_target(app, config, path)
         checked.targets.append(target)
+        if models:
+            checked.model_ids[app.name] = list(models)
         checked.models += [f"{app.name}: {model_id} -> {cfg.model_name_or_path} ({cfg.infer_backend})"
                            for model_id, cfg in models.items()]
     return checked

@@ -168,6 +168,10 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
             time.sleep(0.5)
         assert len(ready) == 1 and f"model 'my-sft' on http://127.0.0.1:{port}/v1" in ready[0], ready
         metrics_url = ready[0].split("Prometheus metrics: ")[1].split(";")[0]
+        # Only lmserve's own lines on the terminal; Ray's go to the run's log file, named there.
+        assert all(line.startswith("lmserve: ") for line in log.read_text().splitlines()), log.read_text()
+        driver_log = Path(ready[0].split("logs: ")[1].split(", Ray's in ")[0])
+        assert "Started a local Ray instance" in driver_log.read_text()
         import httpx
 
         assert "ray_serve_" in httpx.get(metrics_url, timeout=30).text
@@ -175,6 +179,8 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
         proc.send_signal(signal.SIGTERM)  # to the main process only: it drains and stops, as `lmserve serve`
         assert proc.wait(120) == 0
+        lines = log.read_text().splitlines()
+        assert lines[-2:] == ["lmserve: draining in-flight requests...", "lmserve: stopped"], lines
     finally:
         if proc.poll() is None:  # a failed assertion above: stop it with its Ray cluster
             os.killpg(proc.pid, signal.SIGINT)
@@ -237,9 +243,10 @@ def test_serve_drains_streams_on_sigterm(tmp_path, model_dir):
 
     config = _serve_config(tmp_path, "drain")
     port = yaml.safe_load(config.read_text())["http_options"]["port"]
-    proc = subprocess.Popen(LMSERVE + ["serve", str(config)], env=os.environ,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(LMSERVE + ["serve", str(config)], env=os.environ, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
         deadline = time.monotonic() + 240
@@ -272,6 +279,10 @@ def test_serve_drains_streams_on_sigterm(tmp_path, model_dir):
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(120) == 0
+        lines = log.read_text().splitlines()  # lmserve's lines only: deployed, ready, draining, stopped
+        assert len(lines) == 4 and all(line.startswith("lmserve: ") for line in lines), lines
+        assert lines[1].startswith(f"lmserve: ready: models 'smollm2' on http://127.0.0.1:{port}/v1; ")
+        assert lines[-1] == "lmserve: stopped"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

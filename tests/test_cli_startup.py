@@ -47,8 +47,11 @@ def _run(command: list[str], env: dict, timeout_s: float) -> tuple[int, str]:
 
 
 def _lmserve_lines(out: str) -> list[str]:
-    """lmserve's own lines (Ray's log lines from the replicas are interleaved with them)."""
-    return [line for line in out.splitlines() if line.startswith("lmserve: ")]
+    """lmserve's own lines, which are all the command prints: Ray's records and the replicas'
+    output go to log files (`deployments/console.py`)."""
+    lines = out.splitlines()
+    assert all(line.startswith("lmserve: ") for line in lines), out[-3000:]
+    return lines
 
 
 def _serve_config(tmp_path, model: str, deployment: str = "{}") -> Path:
