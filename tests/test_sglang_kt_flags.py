@@ -4,7 +4,7 @@ lmserve starts a ktransformers model as `python -m sglang.launch_server` with fl
 making (`engines/ktransformers.py`, `engines/sglang.py` `launch_arguments`). That server needs a
 GPU, but its argument parser does not: every argv below is made by lmserve's own code from a
 realistic config and parsed by sglang-kt 0.7.2's `ServerArgs` (`tests/sglang_server_args.py`, in
-the environment `.ci/setup-sglang-kt` builds on first use, about 3 minutes, then cached). A flag
+the environment `.ci/setup-sglang-kt` builds on first use, 1 to 3 minutes, then cached). A flag
 sglang-kt does not know, renamed, given a value it refuses, or matched only as an abbreviation of
 another fails these tests; the parsed values must land in the `ServerArgs` fields they are meant
 for.
