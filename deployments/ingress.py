@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,6 +33,7 @@ from deployments.model_server import send_package_logs_to_replica_log
 from deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    GenerationDefaults,
     ModelCard,
     ModelList,
     ScoreEvaluationRequest,
@@ -43,6 +43,8 @@ from deployments.serving_chat import ChatServing
 from deployments.serving_completion import CompletionServing
 from deployments.serving_score import ScoreServing
 from deployments.settings import IngressSettings
+from deployments.webchat_assets import PAGE_HEADERS, WebChatFiles
+from engines.base import SamplingParams, with_config_defaults
 from engines.config import EngineConfig
 from engines.errors import ServingError
 from engines.media import ImageLoader
@@ -51,7 +53,7 @@ from engines.prompt import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
 
-_WEBCHAT_HTML = (Path(__file__).parent / "webchat.html").read_text()
+_WEBCHAT = WebChatFiles()
 
 
 async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -66,9 +68,36 @@ async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=status, headers=headers or None)
 
 
-# routes that need no API key: the liveness probe and the web chat page (its API calls send one),
-# and FastAPI's API docs (`create_app` adds them)
-PUBLIC_PATHS = frozenset({"/health", "/"})
+# routes that need no API key: the liveness probe, the web chat page and its files (its API calls
+# send one), and FastAPI's API docs (`create_app` adds them)
+PUBLIC_PATHS = frozenset({"/health", "/", *_WEBCHAT.assets})
+
+
+def _asset_route(path: str):
+    """The handler of the web chat file at `path` (one of `_WEBCHAT.assets`)."""
+    asset = _WEBCHAT.assets[path]
+
+    async def webchat_asset(v: str | None = None) -> Response:
+        return Response(asset.body, media_type=asset.content_type,
+                        headers={"cache-control": _WEBCHAT.cache_control(path, v), "x-content-type-options": "nosniff"})
+
+    return webchat_asset
+
+
+def model_card(entry: ModelEntry) -> ModelCard:
+    """The `/v1/models` entry of `entry`: vLLM's fields, and lmserve's `input_modalities` (images
+    where both the model's processor and its backend take them, as `ChatServing.render_prompt`
+    checks) and `generation_defaults` (what a request that sets no sampling field gets,
+    `engines.base.prepare_generation`), which the web chat starts from."""
+    cfg = entry.config
+    takes_images = entry.renderer is not None and entry.renderer.accepts_images and entry.capabilities.images
+    defaults = None
+    if not cfg.is_reward_model:
+        params = with_config_defaults(SamplingParams(), cfg)
+        defaults = GenerationDefaults(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                      max_tokens=cfg.max_new_tokens, repetition_penalty=params.repetition_penalty)
+    return ModelCard(id=entry.model_id, root=entry.root, parent=entry.parent,
+                     input_modalities=["text", "image"] if takes_images else ["text"], generation_defaults=defaults)
 
 
 def create_app(ingress: "OpenAIIngress") -> FastAPI:
@@ -85,6 +114,8 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     for exc_type in (RequestValidationError, StarletteHTTPException, ServingError, Exception):
         app.add_exception_handler(exc_type, _error_handler)
     app.get("/", response_class=HTMLResponse, include_in_schema=False)(ingress.webchat)
+    for path in _WEBCHAT.assets:
+        app.get(path, include_in_schema=False)(_asset_route(path))
     app.get("/health")(ingress.health)
     app.get("/v1/models")(ingress.list_models)
     app.get("/v1/models/{model_id:path}")(ingress.get_model)
@@ -160,20 +191,22 @@ class OpenAIIngress:
     # ---- routes --------------------------------------------------------------------------
 
     async def webchat(self) -> HTMLResponse:
-        """A small web chat (model picker, streaming, system prompt, sampling settings); the
-        page itself needs no API key, its API calls send the one typed into it."""
-        return HTMLResponse(_WEBCHAT_HTML)
+        """The web chat page (deployments/webchat/; its files are served under `/webchat/`).
+        The page needs no API key; its API calls send the one typed into it. Its
+        Content-Security-Policy allows this server only."""
+        return HTMLResponse(_WEBCHAT.page, headers=PAGE_HEADERS)
 
     async def health(self) -> dict[str, str]:
         """Liveness of the ingress; needs no API key."""
         return {"status": "ok"}
 
     async def list_models(self, request: Request) -> ModelList:
-        return ModelList(data=[ModelCard(id=mid, root=e.root, parent=e.parent) for mid, e in self.models.items()])
+        """Every model ID served (`model_card`)."""
+        return ModelList(data=[model_card(e) for e in self.models.values()])
 
     async def get_model(self, model_id: str, request: Request) -> ModelCard:
         entry = self.router.resolve(model_id)
-        return ModelCard(id=entry.model_id, root=entry.root, parent=entry.parent)
+        return model_card(entry)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         return await self.serving_chat.create_chat_completion(body, request)

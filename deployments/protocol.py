@@ -464,15 +464,33 @@ class ScoreEvaluationRequest(OpenAIBaseModel):
 # `"system_fingerprint": null`. Builders set `object`.
 
 
+class GenerationDefaults(BaseModel):
+    """What a chat or completion request that leaves these fields unset is sampled with, from
+    the model's config (LLaMA-Factory's generating arguments): `temperature` is 0 when the config
+    says `do_sample: false`; `max_tokens` is `max_new_tokens`, cut to the context left after the
+    prompt. OpenAI's and vLLM's request field names."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    repetition_penalty: float
+
+
 class ModelCard(Model):
     """An entry of `GET /v1/models`; `root` is the weights' path or hub ID (the adapter's for a
-    LoRA adapter), `parent` the base model ID of an adapter (vLLM's fields)."""
+    LoRA adapter), `parent` the base model ID of an adapter (vLLM's fields). lmserve adds
+    `input_modalities` (`["text"]`, or `["text", "image"]` where the model and its backend take
+    `image_url` parts) and `generation_defaults` (None for a reward model, which does not
+    generate), which the web chat starts from."""
 
     created: int = Field(default_factory=lambda: int(time.time()))
     object: Literal["model"] = "model"
     owned_by: str = "lmserve"
     root: str | None = None
     parent: str | None = None
+    input_modalities: list[Literal["text", "image"]] = Field(default_factory=lambda: ["text"])
+    generation_defaults: GenerationDefaults | None = None
     shutdown_date: str | None = Field(None, exclude=True)  # OpenAI's, for models it retires
 
 

@@ -190,6 +190,15 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, default_max_new_
     return max_tokens
 
 
+def with_config_defaults(params: SamplingParams, config: "EngineConfig") -> SamplingParams:
+    """`params` with its unset fields (temperature, top_p, top_k, repetition_penalty) taken from
+    `config`'s generating defaults (`SamplingParams.resolve_defaults`); `max_tokens` stays as it
+    is (`resolve_max_tokens` fills it in against the prompt). `SamplingParams()` gives what a
+    request that sets none of them is sampled with: what `GET /v1/models` reports."""
+    return params.resolve_defaults(do_sample=config.do_sample, temperature=config.temperature, top_p=config.top_p,
+                                   top_k=config.top_k, repetition_penalty=config.repetition_penalty)
+
+
 def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, max_model_len: int,
                        vocab_size: int | None) -> tuple[SamplingParams, int]:
     """A request's sampling params with the config's generating defaults filled in, and the
@@ -205,10 +214,7 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
             `logit_bias` token id is not a token of the model, or the LoRA adapter is not one of
             `config.lora_adapters` (param `model`).
     """
-    params = request.sampling_params.resolve_defaults(
-        do_sample=config.do_sample, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-        repetition_penalty=config.repetition_penalty,
-    )
+    params = with_config_defaults(request.sampling_params, config)
     max_tokens = resolve_max_tokens(len(request.prompt_token_ids), params.max_tokens, config.max_new_tokens,
                                     max_model_len)
     bound = vocab_size if vocab_size is not None else 1 << 62
