@@ -136,9 +136,26 @@ def vllm_placement_options(config: EngineConfig, device: str) -> dict:
 def sglang_replica_options(config: EngineConfig) -> dict:
     """Device resources of an sglang model's replica: the GPUs its SGLang server child uses,
     `sglang_tp_size` of them (1 for -1 = "all visible": the replica sees the GPUs it reserves,
-    so ask for more with `deployment.ray_actor_options.num_gpus`)."""
-    gpus = config.sglang.tp_size if config.sglang.tp_size > 0 else 1
+    so ask for more with `deployment.ray_actor_options.num_gpus`); none with `sglang_device: cpu`.
+    The builder may run on a head node without GPUs, so `auto` asks for GPUs (`replica_config`
+    turns a model whose `deployment` asks for `num_gpus: 0` into a CPU one)."""
+    if config.sglang.device == "cpu":
+        gpus = 0
+    else:
+        gpus = config.sglang.tp_size if config.sglang.tp_size > 0 else 1
     return {"ray_actor_options": {"num_cpus": constants.SGLANG_REPLICA_NUM_CPUS, "num_gpus": gpus}}
+
+
+def replica_config(config: EngineConfig, opts: dict) -> EngineConfig:
+    """`config` as the replicas placed with `opts` run it: an sglang model with `sglang_device:
+    auto` whose replica asks Ray for no GPU runs its server on the CPU (`sglang_device: cpu`),
+    whatever devices the node has (Ray may leave them visible to a replica that reserved none)."""
+    gpus = (opts.get("ray_actor_options") or {}).get("num_gpus") or 0
+    if config.infer_backend != "sglang" or config.sglang.device != "auto" or gpus > 0:
+        return config
+    placed = config.model_copy(deep=True)
+    placed.sglang.device = "cpu"
+    return placed
 
 
 def directory_bytes(path: str) -> int | None:
@@ -272,7 +289,7 @@ def build_app(args: dict[str, Any]):
     for entry, (model_id, config) in zip(app_args.models, configs.items()):
         opts = model_deployment_options(model_id, config, entry.deployment)
         server = _deployment(ModelServer, opts, f"model {model_id!r}: deployment")
-        engine_fields = config.model_dump(exclude={"extra_inert"})
+        engine_fields = replica_config(config, opts).model_dump(exclude={"extra_inert"})
         handles[model_id] = server.bind(model_id, engine_fields)
         model_configs[model_id] = engine_fields
     ingress_opts = deep_merge(INGRESS_DEPLOYMENT_DEFAULTS, app_args.ingress_deployment)
@@ -327,7 +344,8 @@ def _build_direct_streaming_app(app_args: AppArgs, configs: dict[str, EngineConf
             raise ConfigError(format_validation_error(
                 exc, f"model {model_id!r}: deployment.backpressure_config")) from None
     server = _deployment(serve.ingress()(DirectStreamingServer), opts, f"model {model_id!r}: deployment")
-    return server.bind(model_id, config.model_dump(exclude={"extra_inert"}), app_args.ingress_settings(),
+    return server.bind(model_id, replica_config(config, opts).model_dump(exclude={"extra_inert"}),
+                       app_args.ingress_settings(),
                        max_requests=max_requests, backpressure_config=backpressure)
 
 

@@ -192,8 +192,9 @@ def render() -> str:
         "lmserve's queue-aware policy) unless its `deployment` pins an integer `num_replicas`;",
         "`num_replicas: auto` keeps the defaults. The backend adds its resources: `ray_actor_options.num_cpus`",
         "for huggingface, a placement group of GPU bundles (one per tensor x pipeline parallel rank) or CPUs",
-        "for vllm (`LMSERVE_VLLM_DEVICE`), `sglang_tp_size` GPUs for sglang, one GPU, `kt_cpuinfer` CPUs and",
-        "memory for the experts for ktransformers. The ingress deployment defaults to "
+        "for vllm (`LMSERVE_VLLM_DEVICE`), `sglang_tp_size` GPUs for sglang (none with `sglang_device: cpu`),",
+        "one GPU, `kt_cpuinfer` CPUs and memory for the experts for ktransformers. The ingress deployment",
+        "defaults to "
         f"`num_replicas` {INGRESS_DEPLOYMENT_DEFAULTS['num_replicas']},",
         f"`max_ongoing_requests` {INGRESS_DEPLOYMENT_DEFAULTS['max_ongoing_requests']} and no CPU of its own.",
         "",

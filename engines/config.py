@@ -177,14 +177,21 @@ class SglangArgs(BackendArgs):
     mem_fraction: float = Field(0.7, gt=0, le=1, description="SGLang `--mem-fraction-static`: the "
                                 "fraction of GPU memory for weights and KV cache.")
     tp_size: int = Field(-1, description="SGLang `--tp-size`; -1 = every GPU visible to the replica.")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Where the SGLang server runs the model: `cuda`; `cpu` (SGLang's CPU engine: "
+        "`--device cpu`, `SGLANG_USE_CPU_ENGINE=1`, an explicit `--dtype`, a KV pool of `--max-total-tokens` = "
+        "`sglang_maxlen` x 4 sequences, and no GPU asked of Ray); `auto` = `cpu` where the replica sees no GPU "
+        "(and where the model's `deployment` asks for `num_gpus: 0`), else `cuda`.")
     config: dict[str, Any] | str | None = Field(
         None, description="Any other SGLang server arguments (a mapping, or JSON text), added as flags last.")
-    lora_backend: Literal["triton", "flashinfer"] = Field(
-        "triton", description="SGLang `--lora-backend` for LoRA adapters.")
+    lora_backend: Literal["triton", "csgmv", "triton_v2", "torch_native", "ascend", "flashinfer"] = Field(
+        "triton", description="SGLang `--lora-backend` for LoRA adapters (LLaMA-Factory's `flashinfer` is "
+        "gone from SGLang 0.5.23, which refuses it); on CPU, a GPU kernel backend is replaced by `torch_native`.")
     # lmserve: how the SGLang server child process is started and supervised.
     launch_command: list[str] | None = Field(
         None, description="Command that starts the server, before the flags lmserve derives from this "
-        "config; None = [<this python>, -m, sglang.launch_server]. Tests put the stand-in server here.")
+        "config; None = [<this python>, -m, sglang.launch_server]. Point it at the python of SGLang's own virtual "
+        "environment: [/opt/sglang/bin/python, -m, sglang.launch_server].")
     start_timeout_s: float = Field(
         900, gt=0, description="Seconds to wait for the server's /health to answer 200 after launch "
         "(loading weights and capturing CUDA graphs of large models takes minutes).")

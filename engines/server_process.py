@@ -50,7 +50,8 @@ class ServerProcess:
         command: argv of the child (program and flags).
         name: what the log lines and errors call it (e.g. "sglang").
         env: environment of the child (default: this process's).
-        secrets: strings of `command` (an API key) shown as `***` in the log.
+        secrets: strings (an API key) shown as `***` in the log: in `command`, and in the child's
+            own output lines, which are logged and quoted in errors.
     """
 
     def __init__(self, command: list[str], name: str, env: dict[str, str] | None = None,
@@ -118,6 +119,8 @@ class ServerProcess:
 
     def _log_line(self, raw: bytes) -> None:
         line = raw.decode(errors="replace").rstrip()
+        for secret in self.secrets:  # SGLang prints its server_args, --api-key included, at start-up
+            line = line.replace(secret, "***")
         if line:
             self.tail.append(line)
             self._child_logger.info("[%s pid %d] %s", self.name, self._proc.pid, line)

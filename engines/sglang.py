@@ -18,8 +18,15 @@ Wire shapes mirror SGLang's source (sgl-project/sglang, `python/sglang/srt/`):
 `sampling/sampling_params.py` (sampling fields; `top_k: -1` = off, `temperature: 0` = greedy)
 and `server_args.py` (launch flags).
 
-SGLang is not imported here (it needs CUDA); `sglang_launch_command` replaces the launch command,
-which is how the tests start the stand-in server (`tests/standins/sglang_server.py`).
+Where the replica has no GPU (`sglang_device`, `server_device`) the server runs on SGLang's CPU
+engine: `--device cpu` with `SGLANG_USE_CPU_ENGINE=1` in its environment, an explicit `--dtype`
+and a bounded `--max-total-tokens` (`launch_arguments`); on CPUs without AMX SGLang uses its
+torch-native attention and layers there.
+
+SGLang is not imported here: it pins torch 2.14.1 and lives in a virtual environment of its own,
+whose python `sglang_launch_command` names. The tests start the real server that way
+(`.ci/setup-sglang` builds its CPU environment) and a stand-in (`tests/standins/sglang_server.py`)
+for the cases the real one makes slow.
 """
 
 from __future__ import annotations
@@ -66,18 +73,80 @@ _REFUSED_FLAGS = {
 }
 
 
+# The KV pool of a CPU server holds this many sequences of `sglang_maxlen` tokens (unless
+# `sglang_config` sets `max_running_requests`): without `--max-total-tokens`, SGLang's CPU engine
+# reserves most of the free RAM for it (72 %, 10 GB, measured on a 24 GiB machine).
+CPU_POOL_SEQUENCES = 4
+# SGLang's LoRA backends that need a GPU, replaced on CPU by its torch-native one.
+_GPU_LORA_BACKENDS = {"triton", "csgmv", "triton_v2", "flashinfer"}
+
+
 def visible_gpu_count() -> int:
-    """GPUs this process may use: `CUDA_VISIBLE_DEVICES` (Ray sets it to the replica's GPUs),
-    else what torch sees; at least 1 (SGLang itself reports a machine without a GPU)."""
+    """GPUs this process may use (0 when none): `CUDA_VISIBLE_DEVICES` where it is set (Ray
+    sets it to the replica's GPUs), else what torch sees, else the GPUs the NVIDIA driver lists
+    (`/proc/driver/nvidia/gpus`: lmserve's own torch may be a CPU build on a GPU machine)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return max(1, len([d for d in visible.split(",") if d.strip()]))
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     try:
         import torch
 
-        return max(1, torch.cuda.device_count())
-    except Exception:  # noqa: BLE001 - no torch or no CUDA: SGLang will say so
-        return 1
+        if torch.cuda.device_count() > 0:
+            return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no CUDA in this torch: ask the driver
+        pass
+    driver = Path("/proc/driver/nvidia/gpus")
+    return len(list(driver.iterdir())) if driver.is_dir() else 0
+
+
+def server_device(config: EngineConfig) -> str:
+    """`cuda` or `cpu`: where the SGLang server runs the model (`sglang_device`; `auto` = `cpu`
+    where this process sees no GPU, `visible_gpu_count`). Always `cuda` for `ktransformers`:
+    kt-kernel's MoE forward needs a CUDA stream."""
+    if config.infer_backend == "ktransformers":
+        return "cuda"
+    if config.sglang.device != "auto":
+        return config.sglang.device
+    return "cuda" if visible_gpu_count() > 0 else "cpu"
+
+
+def cpu_dtype(config: EngineConfig, model_path: Path | str) -> str:
+    """The `--dtype` of a CPU server: `infer_dtype`, or for `auto` the huggingface backend's rule
+    on CPU (`engines.huggingface.pick_dtype`: the checkpoint's dtype where the CPU computes in it
+    natively, else float32), so both backends load the same weights. Always explicit: SGLang's
+    own `auto` turned the default model's float32 checkpoint into float16."""
+    if config.infer_dtype != "auto":
+        return config.infer_dtype
+    from engines.huggingface import pick_dtype
+
+    model = model_config_json(Path(model_path))
+    return str(pick_dtype("auto", model.get("dtype") or model.get("torch_dtype"), "cpu")).removeprefix("torch.")
+
+
+def check_device_support(config: EngineConfig, device: str) -> None:
+    """Refuse what SGLang cannot serve on `device`.
+
+    Raises:
+        ConfigError: LoRA adapters on `cpu`: SGLang 0.5.23's LoRA layers allocate pinned host
+            memory (`pin_memory=True`, `sglang/srt/lora/layers.py`), which needs a CUDA driver,
+            so its CPU server dies at start-up ("RuntimeError: Found no NVIDIA driver on your
+            system"; `--lora-backend torch_native` too).
+    """
+    if device == "cpu" and config.lora_adapters:
+        raise ConfigError(
+            "adapter_name_or_path: the sglang backend cannot serve LoRA adapters on CPU: SGLang 0.5.23's LoRA "
+            "layers pin host memory (pin_memory=True, sglang/srt/lora/layers.py), which needs a CUDA driver, and "
+            "its server dies at start-up ('Found no NVIDIA driver on your system'). Serve the adapters with "
+            "infer_backend huggingface or vllm, or run sglang on a GPU (sglang_device)")
+
+
+def server_env(argv: list[str]) -> dict[str, str] | None:
+    """The environment of a server launched with `argv`: this process's, plus
+    `SGLANG_USE_CPU_ENGINE=1` where `argv` has `--device cpu` (without it SGLang's scheduler
+    imports vLLM's rotary embedding and dies: `No module named 'vllm'`); None = unchanged."""
+    if "--device" in argv and argv[argv.index("--device") + 1:][:1] == ["cpu"]:
+        return {"SGLANG_USE_CPU_ENGINE": "1", **os.environ}
+    return None
 
 
 def context_length(config: EngineConfig, model_path: Path) -> int:
@@ -97,7 +166,7 @@ def _flag(name: str) -> str:
 
 def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int, api_key: str,
                      max_len: int, tp_size: int | None = None,
-                     backend_flags: dict[str, list[str]] | None = None) -> list[str]:
+                     backend_flags: dict[str, list[str]] | None = None, device: str = "cuda") -> list[str]:
     """The flags of `sglang.launch_server` for `config` (argv after the command).
 
     Mapping (SGLang `server_args.py` flag names): `model_path` -> `--model-path`; `--host
@@ -109,7 +178,11 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
     without one is served with the first, as LLaMA-Factory's sglang engine means to) with
     `--lora-backend` from `sglang_lora_backend` and `--max-loras-per-batch` = the adapter count;
     `--api-key` (the replica's own); `--enable-metrics`; then `backend_flags` (the
-    `ktransformers` backend's `--kt-*`). Last, `sglang_config` (a mapping or JSON
+    `ktransformers` backend's `--kt-*`). With `device="cpu"` (`server_device`): `--device cpu`,
+    `--tp-size` 1 unless `sglang_tp_size` is set, `--dtype` always (`cpu_dtype`),
+    `--max-total-tokens` = `max_len` x `CPU_POOL_SEQUENCES` (or x `sglang_config`'s
+    `max_running_requests`), and `--lora-backend torch_native` in place of a GPU one (SGLang's
+    `lora/backend/torch_backend.py`). Last, `sglang_config` (a mapping or JSON
     text; LLaMA-Factory parses it and never uses it) adds or replaces flags: `{"chunked_prefill_size":
     4096}` -> `--chunked-prefill-size 4096`, `true` -> the bare flag, `false`/`null` removes the
     flag, a list -> several values.
@@ -118,7 +191,11 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
         ConfigError: `sglang_config` that is not a mapping, or that sets a flag changing the
             stream lmserve parses (`incremental_streaming_output`, `skip_tokenizer_init`).
     """
-    tp = config.sglang.tp_size if config.sglang.tp_size > 0 else (tp_size or visible_gpu_count())
+    options = parse_mapping(config.sglang.config, "sglang_config")
+    cpu = device == "cpu"
+    tp = config.sglang.tp_size
+    if tp <= 0:  # a CPU server is one process: SGLang's CPU tensor parallel splits cores, not GPUs
+        tp = tp_size or (1 if cpu else max(1, visible_gpu_count()))
     flags: dict[str, list[str]] = {
         "--model-path": [str(model_path)],
         "--host": [HOST],
@@ -129,17 +206,25 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
         "--api-key": [api_key],
         "--enable-metrics": [],
     }
-    if config.infer_dtype != "auto":
+    if cpu:
+        flags["--device"] = ["cpu"]
+        flags["--dtype"] = [cpu_dtype(config, model_path)]
+        sequences = int(options.get("max_running_requests") or CPU_POOL_SEQUENCES)
+        flags["--max-total-tokens"] = [str(max_len * sequences)]
+    elif config.infer_dtype != "auto":
         flags["--dtype"] = [config.infer_dtype]
     if config.trust_remote_code:
         flags["--trust-remote-code"] = []
     adapters = config.lora_adapters
     if adapters:
+        lora_backend = config.sglang.lora_backend
+        if cpu and lora_backend in _GPU_LORA_BACKENDS:
+            lora_backend = "torch_native"
         flags["--lora-paths"] = [f"{name}={path}" for name, path in adapters.items()]
-        flags["--lora-backend"] = [config.sglang.lora_backend]
+        flags["--lora-backend"] = [lora_backend]
         flags["--max-loras-per-batch"] = [str(len(adapters))]
     flags.update(backend_flags or {})
-    for name, value in parse_mapping(config.sglang.config, "sglang_config").items():
+    for name, value in options.items():
         key = _flag(name)
         if key in _REFUSED_FLAGS and value not in (None, False):
             raise ConfigError(f"sglang_config: {name!r} cannot be used: {_REFUSED_FLAGS[key]}")
@@ -242,11 +327,17 @@ class _StreamParser:
         """One `data:` object of the stream -> a delta, or None while nothing can be passed on.
 
         Raises:
-            ServingError(INVALID_REQUEST): SGLang refused the request (`{"error": ...}`, or an abort with
-                status 400, e.g. a prompt longer than the context).
-            ServingError(UNAVAILABLE): SGLang aborted it with status 500/503.
+            ServingError(INVALID_REQUEST): SGLang refused the request (a streamed `{"error": ...}`
+                with code 400, as SGLang 0.5.23 answers a prompt longer than the context or a bad
+                `logit_bias` in a stream: status 200, the error as the first event; or an abort
+                with status 400).
+            ServingError(UNAVAILABLE): an error with another code, or an abort with status 500/503
+                or none (`/abort_request`: `{"type": "abort", "message": "Aborted"}`).
         """
-        if "error" in out:
+        if "error" in out:  # streamed errors: `{"error": {"message", "type", "code", "retryable"}}`
+            code = out["error"].get("code") if isinstance(out["error"], dict) else 400
+            if code not in (None, 400):
+                raise ServingError.unavailable(f"sglang answered {code}: {_error_message(out)}")
             raise ServingError.invalid_request(f"sglang: {_error_message(out)}")
         meta = out.get("meta_info") or {}
         index = int(out.get("index", 0))
@@ -338,17 +429,23 @@ class SGLangEngine(Engine):
         self._vocab_size: int | None = None
         self._running = 0
         self._aborts: set[asyncio.Task] = set()
+        # `cuda` or `cpu`, resolved by `start` (`server_device`); launch flags before it: GPU ones.
+        self.device = "cuda"
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     @classmethod
     def check_config(cls, config: EngineConfig) -> None:
-        """Raises ConfigError for an `sglang_config` that cannot be turned into launch flags."""
+        """Raises ConfigError for an `sglang_config` that cannot be turned into launch flags, or
+        what `sglang_device: cpu` cannot serve (`check_device_support`)."""
         cls(config).launch_arguments(Path(config.model_name_or_path), 0, "", config.sglang.maxlen)
+        if config.sglang.device == "cpu":
+            check_device_support(config, "cpu")
 
     def launch_arguments(self, model_path: Path, port: int, api_key: str, max_len: int) -> list[str]:
-        """Flags for this backend's server (the `ktransformers` backend adds its own)."""
-        return launch_arguments(self.config, model_path, port=port, api_key=api_key, max_len=max_len)
+        """Flags for this backend's server on `self.device` (the `ktransformers` backend adds its own)."""
+        return launch_arguments(self.config, model_path, port=port, api_key=api_key, max_len=max_len,
+                                device=self.device)
 
     def launch_command(self, model_path: Path, port: int, api_key: str, max_len: int) -> list[str]:
         """`sglang_launch_command` (default `python -m sglang.launch_server`) + the flags."""
@@ -359,9 +456,9 @@ class SGLangEngine(Engine):
         """Resolve the model, launch the server and wait until its `/health` answers 200.
 
         Raises:
-            ModelLoadError: the model is missing; the server cannot be executed, exits during
-                start-up (its last output lines quoted) or is not ready within
-                `sglang_start_timeout_s`.
+            ModelLoadError: the model is missing; LoRA adapters on a CPU server
+                (`check_device_support`); the server cannot be executed, exits during start-up
+                (its last output lines quoted) or is not ready within `sglang_start_timeout_s`.
         """
         self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
         try:  # before the server starts: an adapter of another base model is named at once
@@ -370,12 +467,17 @@ class SGLangEngine(Engine):
             raise ModelLoadError(str(exc)) from None
         max_len = context_length(self.config, self.model_path)
         self._vocab_size = model_config_json(self.model_path).get("vocab_size")
+        self.device = server_device(self.config)
+        try:
+            check_device_support(self.config, self.device)
+        except ConfigError as exc:
+            raise ModelLoadError(str(exc)) from None
         port, api_key = free_port(HOST), secrets.token_urlsafe(24)
         self._client = httpx.AsyncClient(base_url=f"http://{HOST}:{port}",
                                          headers={"Authorization": f"Bearer {api_key}"},
                                          timeout=httpx.Timeout(None, connect=10))
-        self.server = ServerProcess(self.launch_command(self.model_path, port, api_key, max_len), self.server_name,
-                                    secrets=(api_key,))
+        command = self.launch_command(self.model_path, port, api_key, max_len)
+        self.server = ServerProcess(command, self.server_name, env=server_env(command), secrets=(api_key,))
         try:
             await self.server.start()
             seconds = await self.server.wait_ready(self._ready, self.config.sglang.start_timeout_s)
@@ -385,7 +487,7 @@ class SGLangEngine(Engine):
             raise
         self._info = ModelInfo(max_model_len=int(info.get("context_length") or max_len),
                                dtype=str(info.get("dtype") or self.config.infer_dtype),
-                               device=str(info.get("device") or "cuda"))
+                               device=str(info.get("device") or self.device))
         logger.info("%s server ready after %.1f s (pid %s): %s, context %d tokens, adapters %s", self.server_name,
                     seconds, self.server.pid, self.model_path, self._info.max_model_len,
                     list(self.config.lora_adapters))
@@ -398,15 +500,16 @@ class SGLangEngine(Engine):
         return response.status_code == 200
 
     async def _server_info(self) -> dict[str, Any]:
-        """`/get_model_info` (must be a generation model) merged with `/get_server_info`
-        (SGLang's `ServerArgs`: `context_length`, `dtype`, `device`, ...).
+        """`/model_info` (must be a generation model) merged with `/server_info` (SGLang's
+        `ServerArgs`: `context_length`, `dtype`, `device`, ...); SGLang 0.5.23 logs its older
+        `/get_model_info` and `/get_server_info` as deprecated on every call.
 
         Raises:
             ModelLoadError: the server serves an embedding or reward model, or answers oddly.
         """
         try:
-            model = (await self._client.get("/get_model_info", timeout=30)).raise_for_status().json()
-            server = (await self._client.get("/get_server_info", timeout=30)).raise_for_status().json()
+            model = (await self._client.get("/model_info", timeout=30)).raise_for_status().json()
+            server = (await self._client.get("/server_info", timeout=30)).raise_for_status().json()
         except (httpx.HTTPError, ValueError) as exc:
             raise ModelLoadError(f"{self.server_name} server answered its info routes oddly: {exc}") from exc
         if not model.get("is_generation", True):

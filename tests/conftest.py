@@ -22,13 +22,38 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     """Deselect `bench`-marked tests unless --run-bench: they test developers' probes, not the
-    product. A hook rather than `-m "not bench"` in addopts, which a user's own `-m` would replace."""
+    product. A hook rather than `-m "not bench"` in addopts, which a user's own `-m` would replace.
+    Move the `real_sglang` tests to the end, so that their environment builds while the others run."""
+    items[:] = ([item for item in items if not item.get_closest_marker("real_sglang")]
+                + [item for item in items if item.get_closest_marker("real_sglang")])
     if config.getoption("--run-bench"):
         return
     lab = [item for item in items if item.get_closest_marker("bench")]
     if lab:
         config.hook.pytest_deselected(items=lab)
         items[:] = [item for item in items if not item.get_closest_marker("bench")]
+
+
+def pytest_collection_finish(session):
+    """Start building the real SGLang's environment in the background when a `real_sglang` test
+    is selected (tests/real_sglang.py)."""
+    if any(item.get_closest_marker("real_sglang") for item in session.items):
+        from real_sglang import start_build
+
+        start_build()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from real_sglang import summary
+
+    if line := summary():
+        terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config):
+    from real_sglang import stop_build
+
+    stop_build()
 
 
 TEST_API_KEY = "lmserve-test-key"
@@ -194,6 +219,15 @@ def reward_dir(model_dir, tmp_path_factory):
 def hf_engine(model_dir):
     with started_engine(model_name_or_path=str(model_dir)) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def real_sglang_python() -> str:
+    """The python of the real SGLang's CPU environment (`.ci/setup-sglang`, started at collection;
+    or `$LMSERVE_SGLANG_PYTHON`), waited for. Fails, never skips, when it cannot be built."""
+    from real_sglang import wait_for_build
+
+    return wait_for_build()
 
 
 @pytest.fixture(scope="session")

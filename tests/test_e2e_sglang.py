@@ -1,15 +1,23 @@
-"""End to end with the sglang and ktransformers backends: one Ray Serve app serves the same
-weights as `smollm2-hf` (huggingface), `smollm2-sglang` and `smollm2-kt`, the last two through
-replicas that each launch the SGLang STAND-IN server (tests/standins/sglang_server.py) as their
-child process; reached with the official client."""
+"""End to end with the sglang and ktransformers backends, reached with the official client.
 
+One Ray Serve app serves the same weights as `smollm2-hf` (huggingface), `smollm2-sglang` and
+`smollm2-kt`, the last two through replicas that each launch the SGLang STAND-IN server
+(tests/standins/sglang_server.py) as their child process. Another (`real_sglang`) serves
+`smollm2-real` through a replica that launches the REAL SGLang 0.5.23 on CPU from the environment
+.ci/setup-sglang builds, configured as a user would (`sglang_device: cpu`,
+`sglang_launch_command`), and is compared with the session's huggingface app (`client`)."""
+
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import openai
 import pytest
 
 from conftest import TEST_API_KEY, assert_stream_matches_full, chat
+from real_sglang import launch_command
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +28,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def sglang_client(serve_url, lora_dir, tmp_path_factory):
     """A second app, `/sglang`, beside the default one (its Ray cluster has 2 CPUs, 1 taken).
-    The sglang and ktransformers replicas ask for no GPU here: the stand-in runs on the CPU."""
+    The sglang and ktransformers replicas ask Ray for no GPU here (the cluster has none), and the
+    stand-in they launch plays a GPU server."""
     from ray import serve
 
     from deployments.app import build_app
@@ -31,8 +40,10 @@ def sglang_client(serve_url, lora_dir, tmp_path_factory):
         "models": [
             {"model_id": "smollm2-hf", "model_name_or_path": "smollm2", "adapter_name_or_path": str(lora_dir),
              "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}}},
+            # the stand-in stands in for a GPU server here (sglang_device: cuda), where SGLang serves LoRA
             {"model_id": "smollm2-sglang", "model_name_or_path": "smollm2", "infer_backend": "sglang",
-             "adapter_name_or_path": str(lora_dir), "sglang_launch_command": STANDIN, "deployment": no_gpu},
+             "sglang_device": "cuda", "adapter_name_or_path": str(lora_dir), "sglang_launch_command": STANDIN,
+             "deployment": no_gpu},
             {"model_id": "smollm2-kt", "model_name_or_path": "smollm2", "infer_backend": "ktransformers",
              "kt_weight_path": str(experts), "kt_method": "AMXINT4", "kt_cpuinfer": 2, "kt_num_gpu_experts": 0,
              "sglang_launch_command": STANDIN, "deployment": no_gpu},
@@ -118,3 +129,83 @@ def test_the_servers_output_is_in_the_replicas_log(sglang_client):
     text = "".join(f.read_text() for f in replica_logs)
     assert "[sglang pid" in text and "The server is fired up and ready to roll!" in text
     assert "sglang server ready after" in text
+
+
+# ---- the real SGLang server on CPU ---------------------------------------------------------------
+
+def server_processes(python: str) -> list[str]:
+    """Command lines of the processes running `python -m sglang.launch_server` (and SGLang's
+    scheduler and detokenizer, which it starts under its own names with the same python)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if "sglang" in line and str(os.getpid()) != line.split()[0]
+            and (python in line or "sglang::" in line)]
+
+
+@pytest.fixture(scope="module")
+def real_client(serve_url, real_sglang_python):
+    """`/sglang-real`: the real SGLang on CPU, one replica asking Ray for no GPU (`sglang_device:
+    cpu`; the cluster has none) and half a CPU (the cluster's 2 are shared). No adapter: SGLang's
+    LoRA needs a GPU, and lmserve refuses it on CPU (tests/test_sglang_cpu_mode.py)."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    app = build_app({
+        "models": [{"model_id": "smollm2-real", "model_name_or_path": "smollm2", "infer_backend": "sglang",
+                    "sglang_device": "cpu", "sglang_launch_command": launch_command(real_sglang_python),
+                    "sglang_start_timeout_s": 600,
+                    "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}}}],
+        "api_keys": [TEST_API_KEY],
+    })
+    try:
+        serve.run(app, name="lmserve-sglang-real", route_prefix="/sglang-real")
+        yield openai.OpenAI(base_url=serve_url + "/sglang-real/v1", api_key=TEST_API_KEY, max_retries=0, timeout=600)
+    finally:
+        serve.delete("lmserve-sglang-real")
+
+
+@pytest.mark.real_sglang
+def test_real_server_answers_as_the_huggingface_backend(real_client, client):
+    assert [m.id for m in real_client.models.list().data] == ["smollm2-real"]
+    backend, real = chat(real_client, "smollm2-real", messages=QUESTION, temperature=0, max_tokens=24)
+    assert backend == "sglang"
+    hf = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=24)
+    assert "Paris" in real.choices[0].message.content
+    assert real.choices[0].message.content == hf.choices[0].message.content
+    assert (real.choices[0].finish_reason, real.usage.completion_tokens, real.usage.prompt_tokens) == (
+        hf.choices[0].finish_reason, hf.usage.completion_tokens, hf.usage.prompt_tokens)
+
+
+@pytest.mark.real_sglang
+def test_real_server_streams_stops_and_gives_logprobs(real_client, client):
+    chunks = assert_stream_matches_full(real_client, model="smollm2-real", temperature=0, max_tokens=12,
+                                        messages=[{"role": "user", "content": "Describe the sea in one sentence."}])
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
+    resp = real_client.chat.completions.create(model="smollm2-real", messages=QUESTION, temperature=0,
+                                               stop=["Paris"], max_tokens=16)
+    assert "Paris" not in resp.choices[0].message.content and resp.choices[0].finish_reason == "stop"
+    resp = real_client.chat.completions.create(model="smollm2-real", messages=QUESTION, n=2, temperature=1.0,
+                                               max_tokens=4)
+    assert [c.index for c in resp.choices] == [0, 1] and resp.usage.completion_tokens <= 8
+    real = real_client.completions.create(model="smollm2-real", prompt="The capital of France is", max_tokens=4,
+                                          temperature=0, logprobs=2)
+    hf = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0,
+                                   logprobs=2)
+    assert real.choices[0].text == hf.choices[0].text and "Paris" in real.choices[0].text
+    for r, h in zip(real.choices[0].logprobs.token_logprobs, hf.choices[0].logprobs.token_logprobs, strict=True):
+        assert abs(r - h) < 1e-3
+    with pytest.raises(openai.BadRequestError) as info:
+        real_client.chat.completions.create(model="smollm2-real", messages=QUESTION, max_tokens=100000)
+    assert info.value.body["param"] == "max_tokens"
+
+
+@pytest.mark.real_sglang
+def test_deleting_the_app_leaves_no_server_process(real_client, real_sglang_python):
+    from ray import serve
+
+    assert server_processes(real_sglang_python), "the real server is not running"
+    serve.delete("lmserve-sglang-real")
+    deadline = time.monotonic() + 60
+    while left := server_processes(real_sglang_python):
+        assert time.monotonic() < deadline, f"left after the replica's shutdown: {left}"
+        time.sleep(0.5)

@@ -53,6 +53,8 @@ class ServerMetrics:
                                      "Number of cached prompt tokens by source (device/host/storage).",
                                      {**tok, "cache_source": "device"})
         self.num_requests = counter("sglang:num_requests_total", "Number of requests processed.", tok)
+        self.num_aborted_requests = counter("sglang:num_aborted_requests_total", "Number of requests aborted.",
+                                            {"engine_type": "unified", **tok})
         self.time_to_first_token = Histogram(
             "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", list(tok),
             registry=self.registry, buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)).labels(**tok)

@@ -1,31 +1,41 @@
-"""STAND-IN for `python -m sglang.launch_server`, for machines without CUDA (SGLang needs it).
+"""STAND-IN for `python -m sglang.launch_server`: SGLang's native HTTP protocol over lmserve's
+huggingface engine, for the cases the real server makes slow (it decodes a few tokens a second on
+these 2-core CPUs) and for what it cannot do here (LoRA and the kt flags need a GPU).
 
     python tests/standins/sglang_server.py --model-path DIR --host 127.0.0.1 --port PORT ...
 
 It takes the launch flags lmserve's `sglang` and `ktransformers` backends pass (checked as SGLang
-would; an unknown flag fails start-up, like SGLang's argparse) and serves SGLang's native HTTP
-routes with SGLang's request and response shapes, backed by lmserve's huggingface engine on the
-model at `--model-path`, so the launcher -> HTTP -> stream parsing path runs with real text:
+would; an unknown flag fails start-up, like SGLang's argparse) and answers as the real SGLang
+0.5.23 does; `tests/test_engine_sglang.py` runs the same cases, wire shapes included, against
+both (`test_wire_*`):
 
-- `GET /health`, `GET /health_generate`: 200 once the model is loaded.
-- `GET /get_model_info`, `GET /get_server_info`: as SGLang (the server args, `version`).
+- Start-up: `server_args={...}` logged (the API key included, as SGLang does); with `--device cpu`
+  the server dies (its own SIGKILL, exit status -9) without `SGLANG_USE_CPU_ENGINE=1` ("No module
+  named 'vllm'") and with `--lora-paths` ("Found no NVIDIA driver on your system").
+- `GET /health`, `GET /health_generate`: at least a second; when idle, one token generated; 200.
+- `GET /model_info`, `GET /server_info` (the server args, `device`, `dtype`, `version`); the
+  deprecated `/get_model_info`, `/get_server_info` too.
 - `POST /generate`: `GenerateReqInput` with `input_ids` (or `text`), `sampling_params` (with
-  `logit_bias`, token id strings -> bias, checked against the vocabulary as `verify` does), `rid`,
-  `stream`, `lora_path`, `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`.
-  Streamed: `data: {"text": <cumulative>, "output_ids": [...], "meta_info": {...}}` lines, then
-  `data: [DONE]`; `meta_info` has `id`, `finish_reason` (null or `{"type": "stop", "matched":
-  str | token id}`, `{"type": "length", "length": n}`, `{"type": "abort", ...}`),
-  `prompt_tokens`, `completion_tokens`, `cached_tokens`; `index` for n > 1, whose choices get
-  request IDs of their own. Errors: 400 `{"error": {"message": ...}}`, or a `data: {"error": ...}`
-  line when streaming.
-- `POST /abort_request` `{"rid": ...}`: aborts requests whose ID starts with it (the scheduler's rule).
+  `logit_bias`, token id strings -> bias, checked against the vocabulary as `verify` does; an
+  unknown field is a 400 `{"error": "unknown field ..."}`), `rid`, `stream`, `lora_path`,
+  `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`. Streamed: `data: {"text":
+  <cumulative>, "output_ids": [...], "meta_info": {...}}` lines, then `data: [DONE]`; a reader that
+  lags gets each choice's latest output only (merged chunks); `meta_info` has `id`,
+  `finish_reason` (null or `{"type": "stop", "matched": str | token id}`, `{"type": "length",
+  "length": n}`, `{"type": "abort", "message": "Aborted", "status_code": null, "err_type":
+  null}`), `prompt_tokens`, `completion_tokens`, `cached_tokens`, logprobs as `[logprob, token_id,
+  text | null]`; `index` for n > 1, whose choices get request IDs of their own. Refused requests:
+  400 `{"error": {"message": ...}}`, or, when streaming, 200 with `data: {"error": {"message",
+  "type", "code", "retryable"}}` then `data: [DONE]`.
+- `POST /abort_request` `{"rid": ...}`: 200, empty body; aborts requests whose ID starts with it.
 - `GET /metrics` with `--enable-metrics`: SGLang's Prometheus series (tests/standins/sglang_metrics.py).
-- `--api-key`: every route but `/health*` and `/metrics` needs `Authorization: Bearer KEY` (401).
+- `--api-key`: every route but `/health*` and `/metrics` needs `Authorization: Bearer KEY` (401
+  `{"error": "Unauthorized"}`).
 
 Shapes follow sgl-project/sglang `python/sglang/srt/entrypoints/http_server.py`,
-`managers/io_struct.py`, `managers/tokenizer_manager.py`, `managers/schedule_batch.py` and
-`utils` (`add_api_key_middleware`). The kt flags are accepted and checked but have no effect:
-the experts of a dense model are not offloaded. Not part of lmserve; tests only.
+`managers/io_struct.py`, `managers/tokenizer_manager.py`, `managers/schedule_batch.py`. The kt
+flags are accepted and checked but have no effect: the experts of a dense model are not
+offloaded. Not part of lmserve; tests only.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import signal
 import sys
 import time
 import uuid
@@ -68,12 +80,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--lora-paths", nargs="*")
-    p.add_argument("--lora-backend", default="triton")
+    p.add_argument("--lora-backend", default="csgmv", choices=["triton", "csgmv", "ascend", "torch_native"])
     p.add_argument("--max-loras-per-batch", type=int, default=8)
     p.add_argument("--api-key")
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--max-total-tokens", type=int)
+    p.add_argument("--device", choices=["cuda", "xpu", "hpu", "npu", "cpu"])
     p.add_argument("--kt-weight-path")
     p.add_argument("--kt-method")
     p.add_argument("--kt-cpuinfer", type=int)
@@ -103,11 +117,19 @@ def lora_paths(values: list[str] | None) -> dict[str, str]:
     return out
 
 
-class SamplingParamsIn(BaseModel):
-    """SGLang `SamplingParams` fields (`sampling/sampling_params.py`); unknown ones are refused
-    (SGLang builds `SamplingParams(**sampling_params)`, which raises on them)."""
+# SGLang 0.5.23's sampling fields, in the order its 400 for an unknown one lists them.
+SGLANG_SAMPLING_FIELDS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice")
 
-    model_config = ConfigDict(extra="forbid")
+
+class SamplingParamsIn(BaseModel):
+    """The SGLang `SamplingParams` fields (`sampling/sampling_params.py`) this stand-in serves;
+    any other is refused with a 400 (`unknown_sampling_field`)."""
+
+    model_config = ConfigDict(extra="allow")
 
     max_new_tokens: int = 128
     n: int = 1
@@ -159,8 +181,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                                             adapter_name_or_path=list(adapters.values()) or None))
     adapter_names = dict(zip(adapters, engine.config.lora_adapters))  # SGLang name -> engine name
     tasks: dict[str, asyncio.Task] = {}  # rid -> the task generating it
-    # no memory-sized pool here: eight context lengths of token slots
-    metrics = ServerMetrics(args.model_path, 8 * (args.context_length or 8192)) if args.enable_metrics else None
+    # the pool is --max-total-tokens (SGLang sizes it from memory otherwise: here eight context lengths)
+    pool_tokens = args.max_total_tokens or 8 * (args.context_length or 8192)
+    metrics = ServerMetrics(args.model_path, pool_tokens) if args.enable_metrics else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -190,8 +213,16 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     @app.get("/health")
     @app.get("/health_generate")
     async def health() -> Response:
+        """http_server's `health_generate`: a second at least; when nothing runs, one token is
+        generated (prompt `[0]`, greedy) and the server is healthy once it comes."""
+        await asyncio.sleep(1)
         try:
             await engine.check_health()
+            if not engine.num_running:
+                probe = GenerationRequest(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0],
+                                          EngineSamplingParams(max_tokens=1, temperature=0), lora_name=BASE_MODEL)
+                async for _ in engine.generate(probe):
+                    pass
         except ServingError:
             return Response(status_code=503)
         return Response(status_code=200)
@@ -202,17 +233,30 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             return Response(metrics.text(engine.num_running, engine.num_waiting),
                             media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> dict:
-        return {"model_path": args.model_path, "tokenizer_path": args.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": "default"}
+    @app.get("/model_info")
+    async def model_info() -> dict:
+        return {"model_path": args.model_path, "served_model_name": args.model_path,
+                "tokenizer_path": args.model_path, "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": "default"}
 
-    @app.get("/get_server_info")
-    async def get_server_info() -> dict:
+    @app.get("/server_info")
+    async def server_info() -> dict:
         info = engine.model_info()
         return {**{k: v for k, v in vars(args).items() if k != "api_key"},
                 "context_length": args.context_length or info.max_model_len, "dtype": info.dtype,
-                "device": info.device, "version": "stand-in"}
+                "device": args.device or info.device, "version": "stand-in"}
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict:
+        print("Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
+              "Please use '/model_info' instead.", flush=True)
+        return await model_info()
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        print("Endpoint '/get_server_info' is deprecated and will be removed in a future version. "
+              "Please use '/server_info' instead.", flush=True)
+        return await server_info()
 
     @app.post("/abort_request")
     async def abort_request(obj: AbortReqIn) -> Response:
@@ -222,30 +266,53 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                 task.cancel()
         return Response(status_code=200)
 
-    @app.post("/generate")
-    async def generate(obj: GenerateReqIn) -> Any:
+    def invalid(obj: GenerateReqIn, ids: list[int]) -> str | None:
+        """Why SGLang refuses this request (tokenizer_manager's checks, `SamplingParams.verify`),
+        in its words; None when it is served."""
         sp = obj.sampling_params
-        ids = obj.input_ids if obj.input_ids is not None else engine._tokenizer.encode(obj.text or "")
-        rid = obj.rid or uuid.uuid4().hex
+        if obj.lora_path is not None and not adapter_names:  # _validate_and_resolve_lora
+            return (f"LoRA adapter '{obj.lora_path}' was requested, but LoRA is not enabled. Please launch the server "
+                    "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.")
         if obj.lora_path is not None and obj.lora_path not in adapter_names:
-            return _error(f"LoRA adapter {obj.lora_path!r} was not loaded (--lora-paths: {sorted(adapter_names)})")
+            return (f"Got LoRA adapter that has never been loaded: {obj.lora_path}\n"
+                    f"All loaded adapters: {dict.fromkeys(adapter_names).keys()}.")
         limit = args.context_length or engine.model_info().max_model_len
         if len(ids) >= limit:  # tokenizer_manager._validate_one_request
-            return _error(f"The input ({len(ids)} tokens) is longer than the model's context length ({limit} tokens).")
+            return f"The input ({len(ids)} tokens) is longer than the model's context length ({limit} tokens)."
         if len(ids) + sp.max_new_tokens >= limit:
-            return _error(f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
-                          f"You requested a total of {len(ids) + sp.max_new_tokens} tokens: {len(ids)} tokens from "
-                          f"the input messages and {sp.max_new_tokens} tokens for the completion.")
+            return (f"Requested token count exceeds the model's maximum context length of {limit} tokens. You "
+                    f"requested a total of {len(ids) + sp.max_new_tokens} tokens: {len(ids)} tokens from the input "
+                    f"messages and {sp.max_new_tokens} tokens for the completion. Please reduce the number of tokens "
+                    "in the input messages or the completion to fit within the limit.")
         vocab_size = engine._model.config.vocab_size  # the model config's, as SGLang's ModelConfig
-        bias: dict[int, float] = {}
-        for key, value in (sp.logit_bias or {}).items():  # SamplingParams.verify(vocab_size)
+        for key in sp.logit_bias or {}:  # SamplingParams.verify(vocab_size)
             try:
                 token_id = int(key)
             except ValueError as exc:
-                return _error(str(exc))
+                return str(exc)
             if not 0 <= token_id < vocab_size:
-                return _error(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
-            bias[token_id] = value
+                return f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}."
+        return None
+
+    @app.post("/generate")
+    async def generate(obj: GenerateReqIn) -> Any:
+        sp = obj.sampling_params
+        unknown = next(iter(sp.model_extra or {}), None)
+        if unknown is not None:  # SGLang decodes sampling_params strictly, before anything else
+            expected = ", ".join(f"`{name}`" for name in SGLANG_SAMPLING_FIELDS)
+            if unknown in SGLANG_SAMPLING_FIELDS:
+                return JSONResponse({"error": f"stand-in: `{unknown}` is not implemented"}, status_code=400)
+            return JSONResponse({"error": f"unknown field `{unknown}`, expected one of {expected}"}, status_code=400)
+        ids = obj.input_ids if obj.input_ids is not None else engine._tokenizer.encode(obj.text or "")
+        rid = obj.rid or uuid.uuid4().hex
+        if (message := invalid(obj, ids)) is not None:
+            if obj.stream:  # a stream answers 200 and the error as its first event
+                error = {"error": {"message": message, "type": "invalid_request_error", "code": 400,
+                                   "retryable": False}}
+                return StreamingResponse(iter([b"data: " + json.dumps(error).encode() + b"\n\n", b"data: [DONE]\n\n"]),
+                                         media_type="text/event-stream")
+            return _error(message)
+        bias = {int(key): value for key, value in (sp.logit_bias or {}).items()}
         stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         params = EngineSamplingParams(
             max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
@@ -265,11 +332,25 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         task.add_done_callback(lambda _: [tasks.pop(r, None) for r in rids])
 
         async def outputs() -> AsyncIterator[dict]:
+            """The outputs as they come; a reader that lags gets only each choice's latest
+            (cumulative) one, as SGLang's tokenizer manager hands over the last of its `out_list`
+            (8 tokens can arrive in 7 chunks)."""
             try:
-                while (item := await queue.get()) is not None:
-                    if isinstance(item, Exception):
-                        raise item
-                    yield item
+                while True:
+                    items = [await queue.get()]
+                    while not queue.empty():
+                        items.append(queue.get_nowait())
+                    end = next((i for i, x in enumerate(items) if x is None or isinstance(x, Exception)), len(items))
+                    latest: dict[int, dict] = {}
+                    for out in items[:end]:
+                        latest.pop(out.get("index", 0), None)
+                        latest[out.get("index", 0)] = out
+                    for out in latest.values():
+                        yield out
+                    if end < len(items):
+                        if items[end] is not None:
+                            raise items[end]
+                        return
             finally:
                 task.cancel()  # client gone: stop generating
 
@@ -279,7 +360,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                     async for out in outputs():
                         yield b"data: " + json.dumps(out).encode() + b"\n\n"
                 except ServingError as exc:
-                    yield b"data: " + json.dumps({"error": {"message": exc.message}}).encode() + b"\n\n"
+                    invalid_request = exc.kind.value == "invalid_request"
+                    error = {"message": exc.message, "type": "invalid_request_error" if invalid_request
+                             else "internal_error", "code": 400 if invalid_request else 500,
+                             "retryable": not invalid_request}
+                    yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")
@@ -293,6 +378,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         return finals[0] if sp.n == 1 else [finals[i] for i in range(sp.n)]
 
     return app
+
+
+# The finish reason of a request ended by `/abort_request` (schedule_batch.FINISH_ABORT.to_json).
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
 def _error(message: str) -> JSONResponse:
@@ -320,9 +409,11 @@ async def _run(engine: HuggingFaceEngine, request: GenerationRequest, rids: list
                 "completion_tokens": len(output_ids[i]), "cached_tokens": 0, "weight_version": "default"}
         if finish is not None:
             meta["e2e_latency"] = time.monotonic() - start
-        if obj.return_logprob:
-            meta["output_token_logprobs"] = token_lps[i]
-            meta["output_top_logprobs"] = top_lps[i] if obj.top_logprobs_num > 0 else [None] * len(token_lps[i])
+        if obj.return_logprob:  # the input's are [] (logprob_start_len -1); top ones only when asked for
+            meta.update(input_token_logprobs=[], output_token_logprobs=token_lps[i],
+                        output_token_logprobs_length=len(token_lps[i]))
+            if obj.top_logprobs_num > 0:
+                meta.update(input_top_logprobs=[], output_top_logprobs=top_lps[i])
         out = {"text": texts[i], "output_ids": list(output_ids[i]), "meta_info": meta}
         if n > 1:
             out["index"] = i
@@ -350,15 +441,16 @@ async def _run(engine: HuggingFaceEngine, request: GenerationRequest, rids: list
                 matched = delta.stop_reason if delta.stop_reason is not None else output_ids[i][-1]
                 finish = {"type": "stop", "matched": matched}
             elif delta.finish_reason == "abort":
-                finish = {"type": "abort", "message": "aborted"}
+                finish = ABORTED
             done[i] = finish is not None
             await queue.put(output(i, finish))
         await queue.put(None)
     except asyncio.CancelledError:
         for i in range(n):
             if not done[i]:
-                queue.put_nowait(output(i, {"type": "abort", "message": "Abort before prefill" if not output_ids[i]
-                                            else "Abort in running queue"}))
+                queue.put_nowait(output(i, ABORTED))
+                if metrics is not None:
+                    metrics.num_aborted_requests.inc()
         queue.put_nowait(None)
     except ServingError as exc:
         await queue.put(exc)
@@ -367,10 +459,28 @@ async def _run(engine: HuggingFaceEngine, request: GenerationRequest, rids: list
             metrics.finish(rids[i], len(request.prompt_token_ids), generated[i])
 
 
+def cpu_start_failure(args: argparse.Namespace) -> str | None:
+    """The error SGLang 0.5.23's scheduler dies with on `--device cpu` (then the server kills
+    itself: exit status -9), or None: without `SGLANG_USE_CPU_ENGINE` it imports vLLM's rotary
+    embedding (`layers/rotary_embedding/base.py`); with LoRA adapters its LoRA layers pin host
+    memory, which needs a CUDA driver (`lora/layers.py`)."""
+    if args.device != "cpu":
+        return None
+    if os.environ.get("SGLANG_USE_CPU_ENGINE", "").lower() not in ("1", "true"):
+        return "ModuleNotFoundError: No module named 'vllm'"
+    if args.lora_paths:
+        return ("RuntimeError: Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU and "
+                "installed a driver from http://www.nvidia.com/Download/index.aspx")
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    shown = {**vars(args), "api_key": "***" if args.api_key else None}
-    print(f"stand-in sglang server: {shown}", flush=True)
+    print(f"server_args={vars(args)}", flush=True)  # as SGLang logs them: the API key included
+    if (failure := cpu_start_failure(args)) is not None:
+        print(failure, flush=True)
+        print("Received sigquit from a child process. It usually means the child failed.", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     uvicorn.run(build_app(args), host=args.host, port=args.port, log_level="warning")
 
 
