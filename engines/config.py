@@ -186,7 +186,7 @@ class SglangArgs(BackendArgs):
         None, description="Any other SGLang server arguments (a mapping, or JSON text), added as flags last.")
     lora_backend: Literal["triton", "csgmv", "triton_v2", "torch_native", "ascend", "flashinfer"] = Field(
         "triton", description="SGLang `--lora-backend` for LoRA adapters (LLaMA-Factory's `flashinfer` is "
-        "gone from SGLang 0.5.23, which refuses it); on CPU, a GPU kernel backend is replaced by `torch_native`.")
+        "gone from SGLang 0.5.23, which refuses it).")
     # lmserve: how the SGLang server child process is started and supervised.
     launch_command: list[str] | None = Field(
         None, description="Command that starts the server, before the flags lmserve derives from this "

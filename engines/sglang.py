@@ -77,8 +77,6 @@ _REFUSED_FLAGS = {
 # `sglang_config` sets `max_running_requests`): without `--max-total-tokens`, SGLang's CPU engine
 # reserves most of the free RAM for it (72 %, 10 GB, measured on a 24 GiB machine).
 CPU_POOL_SEQUENCES = 4
-# SGLang's LoRA backends that need a GPU, replaced on CPU by its torch-native one.
-_GPU_LORA_BACKENDS = {"triton", "csgmv", "triton_v2", "flashinfer"}
 
 
 def visible_gpu_count() -> int:
@@ -130,7 +128,7 @@ def check_device_support(config: EngineConfig, device: str) -> None:
         ConfigError: LoRA adapters on `cpu`: SGLang 0.5.23's LoRA layers allocate pinned host
             memory (`pin_memory=True`, `sglang/srt/lora/layers.py`), which needs a CUDA driver,
             so its CPU server dies at start-up ("RuntimeError: Found no NVIDIA driver on your
-            system"; `--lora-backend torch_native` too).
+            system"; with `--lora-backend torch_native` too).
     """
     if device == "cpu" and config.lora_adapters:
         raise ConfigError(
@@ -181,8 +179,8 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
     `ktransformers` backend's `--kt-*`). With `device="cpu"` (`server_device`): `--device cpu`,
     `--tp-size` 1 unless `sglang_tp_size` is set, `--dtype` always (`cpu_dtype`),
     `--max-total-tokens` = `max_len` x `CPU_POOL_SEQUENCES` (or x `sglang_config`'s
-    `max_running_requests`), and `--lora-backend torch_native` in place of a GPU one (SGLang's
-    `lora/backend/torch_backend.py`). Last, `sglang_config` (a mapping or JSON
+    `max_running_requests`); LoRA adapters are refused there (`check_device_support`). Last,
+    `sglang_config` (a mapping or JSON
     text; LLaMA-Factory parses it and never uses it) adds or replaces flags: `{"chunked_prefill_size":
     4096}` -> `--chunked-prefill-size 4096`, `true` -> the bare flag, `false`/`null` removes the
     flag, a list -> several values.
@@ -217,11 +215,8 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
         flags["--trust-remote-code"] = []
     adapters = config.lora_adapters
     if adapters:
-        lora_backend = config.sglang.lora_backend
-        if cpu and lora_backend in _GPU_LORA_BACKENDS:
-            lora_backend = "torch_native"
         flags["--lora-paths"] = [f"{name}={path}" for name, path in adapters.items()]
-        flags["--lora-backend"] = [lora_backend]
+        flags["--lora-backend"] = [config.sglang.lora_backend]
         flags["--max-loras-per-batch"] = [str(len(adapters))]
     flags.update(backend_flags or {})
     for name, value in options.items():

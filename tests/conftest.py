@@ -37,7 +37,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """Start building the real SGLang's environment in the background when a `real_sglang` test
     is selected (tests/real_sglang.py)."""
-    if any(item.get_closest_marker("real_sglang") for item in session.items):
+    if not session.config.option.collectonly and any(item.get_closest_marker("real_sglang")
+                                                     for item in session.items):
         from real_sglang import start_build
 
         start_build()

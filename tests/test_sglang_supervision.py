@@ -16,6 +16,7 @@ from conftest import group_exists
 from engines.config import EngineConfig
 from engines.errors import ModelLoadError
 from engines.sglang import SGLangEngine
+from real_sglang import launch_command
 
 STANDIN = Path(__file__).parent / "standins" / "sglang_server.py"
 
@@ -64,8 +65,12 @@ def test_readiness_time_out_names_the_limit_and_leaves_no_process(model_path, ca
     assert "--api-key '***'" in started
 
 
-def test_the_stand_in_refuses_unknown_flags_as_sglang_does(model_path):
-    engine = engine_with([sys.executable, str(STANDIN)], model_path, sglang_config={"no_such_flag": 1})
+@pytest.mark.parametrize("server", ["standin", pytest.param("real", marks=[pytest.mark.slow, pytest.mark.real_sglang])])
+def test_unknown_flags_are_refused_by_the_server(model_path, server, request):
+    """The stand-in refuses them as SGLang 0.5.23's argparse does (status 2, its message)."""
+    command = ([sys.executable, str(STANDIN)] if server == "standin"
+               else launch_command(request.getfixturevalue("real_sglang_python")))
+    engine = engine_with(command, model_path, sglang_config={"no_such_flag": 1})
     with pytest.raises(ModelLoadError) as info:
         asyncio.run(engine.start())
     assert "exited with status 2" in info.value.message
