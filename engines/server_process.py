@@ -63,6 +63,7 @@ class ServerProcess:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
+        self._stopped = False
         self._child_logger = logging.getLogger(f"{__name__}.{name}")
 
     @property
@@ -170,12 +171,14 @@ class ServerProcess:
     async def stop(self, grace_s: float = 10) -> None:
         """End the child's whole process group: SIGTERM, then SIGKILL after `grace_s` seconds.
 
-        Idempotent. Processes left in the group after the child exited (its own children) are
+        Idempotent: a second call signals nothing (the group's id may belong to another process
+        group by then). Processes left in the group after the child exited (its own children) are
         killed too, so none outlives the replica.
         """
         proc = self._proc
-        if proc is None:
+        if proc is None or self._stopped:
             return
+        self._stopped = True
         pgid = proc.pid
         _signal_group(pgid, signal.SIGTERM)
         # Poll the exit status: Process.wait() also waits for the pipe, which the child's own

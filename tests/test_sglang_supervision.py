@@ -108,3 +108,20 @@ def test_a_replica_killed_outright_takes_its_server_with_it(tmp_path):
             time.sleep(0.1)
     finally:
         proc.kill()
+
+
+def test_a_second_stop_signals_nothing(monkeypatch):
+    """Once its group is gone, the group's id may be another process group's: a second `stop`
+    (an engine shut down twice, as after a failed start) must not signal it."""
+    import engines.server_process as server_process
+
+    async def start_and_stop_twice():
+        server = server_process.ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"], "sleeper")
+        await server.start()
+        await server.stop(1)
+        signals = []
+        monkeypatch.setattr(server_process, "_signal_group", lambda pgid, sig: signals.append((pgid, sig)))
+        await server.stop(1)
+        return signals
+
+    assert asyncio.run(start_and_stop_twice()) == []
