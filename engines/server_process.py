@@ -92,7 +92,7 @@ class ServerProcess:
         Raises:
             ModelLoadError: the program cannot be executed, naming it.
         """
-        shown = ["***" if arg in self.secrets else arg for arg in self.command]
+        shown = [self._masked(arg) for arg in self.command]
         logger.info("starting %s: %s", self.name, shlex.join(shown))
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -118,10 +118,15 @@ class ServerProcess:
                 self._log_line(raw)
         self._log_line(pending)
 
+    def _masked(self, text: str) -> str:
+        """`text` with every secret replaced by `***`."""
+        for secret in self.secrets:
+            text = text.replace(secret, "***") if secret else text
+        return text
+
     def _log_line(self, raw: bytes) -> None:
-        line = raw.decode(errors="replace").rstrip()
-        for secret in self.secrets:  # SGLang prints its server_args, --api-key included, at start-up
-            line = line.replace(secret, "***")
+        # SGLang prints its server_args, --api-key included, at start-up
+        line = self._masked(raw.decode(errors="replace").rstrip())
         if line:
             self.tail.append(line)
             self._child_logger.info("[%s pid %d] %s", self.name, self._proc.pid, line)

@@ -183,7 +183,9 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
     `sglang_config` (a mapping or JSON
     text; LLaMA-Factory parses it and never uses it) adds or replaces flags: `{"chunked_prefill_size":
     4096}` -> `--chunked-prefill-size 4096`, `true` -> the bare flag, `false`/`null` removes the
-    flag, a list -> several values.
+    flag, a list -> several values. A single value that starts with "-" is passed as
+    `--flag=value` (argparse would take it for a flag: an API key drawn with a leading "-" made
+    the server exit with "argument --api-key: expected one argument").
 
     Raises:
         ConfigError: `sglang_config` that is not a mapping, or that sets a flag changing the
@@ -231,7 +233,13 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
             flags[key] = [str(v) for v in value]
         else:
             flags[key] = [str(value)]
-    return [item for key, values in flags.items() for item in (key, *values)]
+    argv: list[str] = []
+    for key, values in flags.items():
+        if len(values) == 1 and values[0].startswith("-"):
+            argv.append(f"{key}={values[0]}")  # argparse takes a lone "-..." for a flag (an API key can start so)
+        else:
+            argv += [key, *values]
+    return argv
 
 
 def sampling_params_payload(params: SamplingParams, max_tokens: int) -> dict[str, Any]:

@@ -125,3 +125,18 @@ def test_a_second_stop_signals_nothing(monkeypatch):
         return signals
 
     assert asyncio.run(start_and_stop_twice()) == []
+
+
+def test_an_api_key_that_starts_with_a_dash_is_one_argument(model_path):
+    """The replica's key is drawn from the URL-safe alphabet, "-" included: argparse took a key
+    such as "-Xy..." for a flag and the server exited ("--api-key: expected one argument")."""
+    from engines.server_process import ServerProcess
+    from engines.sglang import launch_arguments
+
+    sys.path.insert(0, str(STANDIN.parent))
+    from sglang_server import parse_args  # the stand-in's parser: SGLang's flags, by argparse
+
+    argv = launch_arguments(EngineConfig(infer_backend="sglang"), model_path, port=1, api_key="-k3y", max_len=4096)
+    assert "--api-key=-k3y" in argv and parse_args(argv).api_key == "-k3y"
+    server = ServerProcess(["python", *argv], "sglang", secrets=("-k3y",))
+    assert "--api-key=***" in server._masked(" ".join(server.command)) and "-k3y" not in server._masked("-k3y")
