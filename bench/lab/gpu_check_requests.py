@@ -1,4 +1,4 @@
-"""The requests of the GPU checks (bench/lab/gpu_check.sh, bench/lab/gpu_check_sglang.sh): wait for the
+"""The requests of the GPU checks (bench/gpu_check.sh, bench/gpu_check_sglang.sh): wait for the
 model to answer, then a plain, a stop-string, an n=2, optionally a logprobs, and a streamed
 request (256 tokens, ignore_eos), printing the answers, TTFT and tokens/s.
 

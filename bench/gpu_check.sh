@@ -4,11 +4,11 @@
 # `infer_backend: vllm` on the GPU, send a few requests (plain, streamed, stop string, n=2) and
 # print the answers and tokens/s. Output also goes to bench/results/gpu_check.txt.
 #
-#   bash bench/lab/gpu_check.sh            # run from the repository root
+#   bash bench/gpu_check.sh            # run from the repository root
 #
 # Not yet run on a GPU: until it runs, the backend is tested on CPUs only (docs/performance.md).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 mkdir -p bench/results
 out="bench/results/gpu_check.txt"
 exec > >(tee "$out") 2>&1

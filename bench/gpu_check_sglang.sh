@@ -12,11 +12,11 @@
 # tests run); the CUDA-only packages the CPU environment leaves out (sglang-kernel, flashinfer,
 # ...) resolve to what sglang 0.5.23 asks for.
 #
-#   bash bench/lab/gpu_check_sglang.sh            # run from the repository root
+#   bash bench/gpu_check_sglang.sh            # run from the repository root
 #
 # Not yet run on a GPU: until it runs, the backend is tested on CPUs only (docs/performance.md).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 mkdir -p bench/results
 out="bench/results/gpu_check_sglang.txt"
 exec > >(tee "$out") 2>&1

@@ -1,0 +1,111 @@
+"""Time of one batched decode step against the context length: `python -m bench.lab.decode_step`.
+
+Why the huggingface backend makes fewer tokens per second with long outputs: this probe times
+the decode step the batcher runs (`ContinuousBatcher._decode`: one token per row, a 2-D
+attention mask, position ids, the KV cache in `GrowingLayer`s) for `--rows` rows whose caches
+hold `--contexts` positions each (every other row left-padded by 8, so the attention mask is
+materialized as in a batch of different prompt lengths), with no serving around it. The caches are filled with random
+keys and values (attention costs the same whatever they hold), so no prefill is needed.
+
+For each context length it prints the median step time, tokens/s (rows / step time), the ratio
+to the first length, and the share of the step that torch's profiler puts in attention
+(`scaled_dot_product_attention` and what it calls), matrix products (`linear`, `matmul`) and the
+rest. The model's attention is the engine's (`lmserve_sdpa`, engines/attention.py) unless
+`--transformers-sdpa`. The model is the default (SmolLM2-135M-Instruct) in `--dtype`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--contexts", default="128,512,1024,2048", help="KV positions per row")
+    parser.add_argument("--steps", type=int, default=12, help="timed decode steps per context length")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--transformers-sdpa", action="store_true",
+                        help="keep transformers' sdpa attention (copies the KV cache per step for grouped "
+                             "heads) instead of the engine's lmserve_sdpa")
+    args = parser.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    from engines.attention import use_gqa_attention
+    from engines.continuous_batching import GrowingLayer
+    from engines.model_source import ensure_embedded_model
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(ensure_embedded_model(), dtype=dtype).eval()
+    if not args.transformers_sdpa:
+        use_gqa_attention(model)  # as the engine loads it (engines/huggingface.py)
+    config = model.config
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rows = args.rows
+    print(f"{type(model).__name__} {args.dtype}, {rows} rows, {args.threads} torch threads, "
+          f"attention {model.config._attn_implementation}")
+    print("| context | step ms (median) | tokens/s | vs first | attention | matmul | other |")
+    print("|--:|--:|--:|--:|--:|--:|--:|")
+    first = None
+    for context in (int(c) for c in args.contexts.split(",")):
+        cache = DynamicCache(config=config)
+        for layer_idx in range(config.num_hidden_layers):
+            shape = (rows, kv_heads, context, head_dim)
+            cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), layer_idx)
+        cache.layers = [GrowingLayer(layer) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        mask = torch.ones((rows, context), dtype=torch.long)
+        mask[::2, :8] = 0  # left padding, as rows of different prompt lengths have: the mask is materialized
+        tokens = torch.randint(10, config.vocab_size, (rows,))
+
+        def step():
+            nonlocal mask, cache, tokens
+            mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=1)
+            positions = mask.sum(-1, keepdim=True) - 1
+            with torch.inference_mode():
+                out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            tokens = out.logits[:, -1, :].float().argmax(-1)
+
+        step()  # warm-up
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        shares = _shares(prof)
+        median = statistics.median(times)
+        first = first or median
+        print(f"| {context:,} | {median * 1000:.1f} | {rows / median:.1f} | {median / first:.2f}× | "
+              f"{shares['attention']:.0%} | {shares['matmul']:.0%} | {shares['other']:.0%} |", flush=True)
+
+
+def _shares(prof) -> dict[str, float]:
+    """Shares of the profiled step's self CPU time: attention kernels, matrix products, the rest."""
+    totals = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    for event in prof.key_averages():
+        name = event.key
+        if "scaled_dot_product" in name or "flash_attention" in name:
+            kind = "attention"
+        elif name in ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear"):
+            kind = "matmul"
+        else:
+            kind = "other"
+        totals[kind] += event.self_cpu_time_total
+    whole = sum(totals.values()) or 1.0
+    return {kind: value / whole for kind, value in totals.items()}
+
+
+if __name__ == "__main__":
+    main()
