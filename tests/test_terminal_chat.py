@@ -7,6 +7,7 @@ import os
 import pty
 import re
 import select
+import signal
 import sys
 import time
 
@@ -26,6 +27,9 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its stdin, stdout, stderr and controlling terminal
             os.chdir(REPO)
+            # A shell runs a foreground job with Ctrl-C's SIGINT at its default action; the tests may
+            # run where it is ignored (a background job), which exec would pass on to the chat.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe(argv[0], argv, {**os.environ, "TERM": "xterm-256color", "COLUMNS": "100"})
         self.output = ""
 
