@@ -166,6 +166,12 @@ class GrowingLayer(DynamicLayer):
         return buffer
 
 
+def grow_in_place(cache: Any) -> None:
+    """Make the plain `DynamicLayer`s of `cache` `GrowingLayer`s, so that decode steps write in
+    place from now on; sliding-window and other layer types stay as they are."""
+    cache.layers = [GrowingLayer(layer) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+
+
 # Cache layers whose rows the batcher selects, merges and trims. Keys and values (batch, kv_heads,
 # columns, head_dim) are positional: left-padded and trimmed like the mask (a sliding-window layer
 # holds only its last `sliding_window - 1` columns). Convolution and recurrent states of linear-
@@ -667,9 +673,7 @@ class ContinuousBatcher:
         new_cache = None
         if self.use_kv_cache:
             new_cache = job.cache
-            # Plain layers grow in place from now on (sliding-window and other layers stay as they are).
-            new_cache.layers = [GrowingLayer(layer) if type(layer) is DynamicLayer else layer
-                                for layer in new_cache.layers]
+            grow_in_place(new_cache)
             if len(new_rows) != len(admitted):
                 select_cache_rows(new_cache, row_of)
             self._note_cache_layers(new_cache)

@@ -6,12 +6,13 @@
     python -m bench.lab.chunked_prefill    # a long prompt arriving while other requests decode
     python -m bench.lab.soak               # twice the load lmserve can carry, then a health check
     python -m bench.lab.startup_and_single_stream   # `serve run` to first answer, then 1 stream
-    bash bench/gpu_check.sh            # the vllm backend on an NVIDIA GPU
-    bash bench/gpu_check_sglang.sh     # the sglang backend on an NVIDIA GPU
     python -m bench.lab.sglang_cpu_speed   # the real SGLang on CPU against the huggingface engine
     python -m bench.lab.decode_step        # one decode step of the batcher against the context length
 
 They share `python -m bench`'s load generator, metrics and server handling (bench/loadgen.py,
 bench/metrics.py, bench/servers.py, bench/targets.py). They print numbers; nothing here is a
 test, and the product never imports them.
+
+The GPU checks (`bash bench/gpu_check.sh`, `bash bench/gpu_check_sglang.sh`) sit in bench/ itself;
+their requests are `bench.lab.gpu_check_requests`.
 """

@@ -4,8 +4,9 @@ Why the huggingface backend makes fewer tokens per second with long outputs: thi
 the decode step the batcher runs (`ContinuousBatcher._decode`: one token per row, a 2-D
 attention mask, position ids, the KV cache in `GrowingLayer`s) for `--rows` rows whose caches
 hold `--contexts` positions each (every other row left-padded by 8, so the attention mask is
-materialized as in a batch of different prompt lengths), with no serving around it. The caches are filled with random
-keys and values (attention costs the same whatever they hold), so no prefill is needed.
+materialized as in a batch of different prompt lengths), with no serving around it. The caches
+are filled with random keys and values (attention costs the same whatever they hold), so no
+prefill is needed.
 
 For each context length it prints the median step time, tokens/s (rows / step time), the ratio
 to the first length, and the share of the step that torch's profiler puts in attention
@@ -36,10 +37,9 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, DynamicCache
-    from transformers.cache_utils import DynamicLayer
 
     from engines.attention import use_gqa_attention
-    from engines.continuous_batching import GrowingLayer
+    from engines.continuous_batching import grow_in_place
     from engines.model_source import ensure_embedded_model
 
     torch.set_num_threads(args.threads)
@@ -61,7 +61,7 @@ def main() -> None:
         for layer_idx in range(config.num_hidden_layers):
             shape = (rows, kv_heads, context, head_dim)
             cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), layer_idx)
-        cache.layers = [GrowingLayer(layer) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        grow_in_place(cache)  # as the batcher does after a prefill
         mask = torch.ones((rows, context), dtype=torch.long)
         mask[::2, :8] = 0  # left padding, as rows of different prompt lengths have: the mask is materialized
         tokens = torch.randint(10, config.vocab_size, (rows,))
