@@ -7,7 +7,7 @@ import threading
 from functools import partial
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from engines.base import TokenLogprob
@@ -178,6 +178,11 @@ def old_scheme(tokenizer, ids, stop=(), skip=True):
 @given(data=st.data(), skip=st.booleans(), take_every=st.integers(1, 3))
 def test_any_ids_give_the_text_the_full_decode_scheme_gave(tokenizer, data, skip, take_every):
     ids = data.draw(token_ids(tokenizer))
+    # Where a longer decode rewrites text a shorter one had completed, no stream can follow it (a
+    # byte-fallback space `<0x20>` turns into U+FFFD once a stray continuation byte follows it),
+    # and the two schemes recover differently: such ids are not compared.
+    decodes = [tokenizer.decode(ids[:k], skip_special_tokens=skip) for k in range(1, len(ids) + 1)]
+    assume(all(later.startswith(earlier.rstrip("\ufffd")) for earlier, later in zip(decodes, decodes[1:])))
     deltas, _ = run_choice(tokenizer, ids, skip=skip, take_every=take_every)
     assert (text_of(deltas), deltas[-1].finish_reason) == old_scheme(tokenizer, ids, skip=skip)[:2]
 
