@@ -235,7 +235,7 @@ class LmserveApi:
         config = workdir / "serve_config.yaml"
         config.write_text(SERVE_CONFIG.format(port=port, model=MODEL, replicas=replicas))
         self.server = ServerProcess(
-            [sys.executable, "-m", "deployments.cli", "serve", str(config)],
+            [sys.executable, "-m", "deployments.cli.main", "serve", str(config)],
             env={**os.environ, "API_KEY": API_KEY, "RAY_TMPDIR": str(ray_tmp), **(env or {})},
             cwd=REPO, log_path=workdir / "lmserve.log", marker=str(ray_tmp))
 

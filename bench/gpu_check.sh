@@ -35,7 +35,7 @@ applications:
           vllm_gpu_util: 0.3
           deployment: {num_replicas: 1}
 EOF
-LMSERVE_VLLM_DEVICE=cuda "$venv/bin/python" -m deployments.cli serve "$config" > /tmp/gpu_check_server.log 2>&1 &
+LMSERVE_VLLM_DEVICE=cuda "$venv/bin/python" -m deployments.cli.main serve "$config" > /tmp/gpu_check_server.log 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
 

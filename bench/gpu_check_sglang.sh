@@ -30,7 +30,7 @@ server_venv=bench/.venvs/sglang-server
 "$server_venv/bin/pip" install -q -c .ci/sglang-cpu-constraints.txt 'sglang==0.5.23' &
 wait
 "$server_venv/bin/python" -c "import torch, sglang; print('server venv: torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'sglang', sglang.__version__)"
-"$venv/bin/python" -m deployments.cli download smollm2
+"$venv/bin/python" -m deployments.cli.main download smollm2
 
 port=8014
 config=$(mktemp --suffix=.yaml)
@@ -49,7 +49,7 @@ applications:
           sglang_launch_command: [$PWD/$server_venv/bin/python, -m, sglang.launch_server]
           deployment: {num_replicas: 1}
 YAML
-"$venv/bin/python" -m deployments.cli serve "$config" > /tmp/gpu_check_sglang_server.log 2>&1 &
+"$venv/bin/python" -m deployments.cli.main serve "$config" > /tmp/gpu_check_sglang_server.log 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
 

@@ -3,7 +3,7 @@
     python -m bench.inprocess --backend huggingface --model-dir DIR --levels 1,4 --out OUT.json
 
 Run by `python -m bench` as a child process (so it can be timed out and its memory is freed).
-Prompts are rendered by `engines.prompt` exactly as the ingress renders them, each delta's arrival
+Prompts are rendered by `engines.prompt.renderer` exactly as the ingress renders them, each delta's arrival
 is recorded with its exact token count, and the records go to OUT.json for the harness to
 summarise with the same code as the HTTP targets.
 """
@@ -25,7 +25,7 @@ async def run(args: argparse.Namespace) -> None:
     from engines import create_engine
     from engines.base import GenerationRequest, SamplingParams
     from engines.config import EngineConfig
-    from engines.prompt import PromptRenderer
+    from engines.prompt.renderer import PromptRenderer
 
     prompts = json.loads(open(args.prompts).read())["prompts"]
     renderer = PromptRenderer.from_pretrained(args.model_dir)

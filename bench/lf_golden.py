@@ -7,10 +7,10 @@ Run with the Python of the LLaMA-Factory venv that the bench harness builds
 
 It imports llamafactory 0.9.5 (this script is not part of lmserve) and writes two files:
 
-- `engines/data/llamafactory_templates.json`: every template LLaMA-Factory registers
+- `engines/prompt/data/llamafactory_templates.json`: every template LLaMA-Factory registers
   (`llamafactory.data.template.TEMPLATES`), as data: the slots of each formatter, the tool
   format, default system, stop words, thought and tool-call words and flags. lmserve's encoder
-  (`engines/chat_templates.py`) interprets it; nothing of LLaMA-Factory is imported at run time.
+  (`engines/prompt/templates.py`) interprets it; nothing of LLaMA-Factory is imported at run time.
 - `tests/data/llamafactory/templates.json.gz`: for every template x tokenizer x option set, the
   prompt ids that LLaMA-Factory's `Template.encode_oneturn` gives for each conversation of
   `CONVERSATIONS` (rendered as its `hf_engine` does: the messages plus an empty assistant

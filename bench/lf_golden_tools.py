@@ -1,4 +1,4 @@
-"""Golden outputs of LLaMA-Factory's tool formats, for `engines/tool_formats.py` to match byte for byte.
+"""Golden outputs of LLaMA-Factory's tool formats, for `engines/prompt/tool_formats.py` to match byte for byte.
 
 Run with the Python of the LLaMA-Factory venv that the bench harness builds
 (`python -m bench.venvs llamafactory` or any `python -m bench` run with the `llamafactory` peer):

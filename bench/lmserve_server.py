@@ -6,7 +6,7 @@
 engineers' tests), with its own temp dir, so the harness can find and stop every process of it;
 HTTP listens on 127.0.0.1 only (with HAProxy, on every interface: Ray ignores the host then).
 `--args` is `build_app`'s `args` (serve_config.yaml's). The cluster runs in Ray Serve's
-high-throughput mode, as `lmserve serve` starts it (deployments.cluster_env.RAY_HIGH_THROUGHPUT_ENV).
+high-throughput mode, as `lmserve serve` starts it (deployments.cluster.env.RAY_HIGH_THROUGHPUT_ENV).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
 
-    from deployments.cluster_env import apply_ray_high_throughput_env, second_cluster_ports_env
+    from deployments.cluster.env import apply_ray_high_throughput_env, second_cluster_ports_env
 
     apply_ray_high_throughput_env()  # as `lmserve serve` (`RAY_SERVE_ENABLE_HA_PROXY=0` etc. turn it off)
     for name, value in second_cluster_ports_env(avoid=[opts.port]).items():  # other clusters may run on this machine

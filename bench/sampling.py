@@ -1,10 +1,10 @@
 """Time per sampling step, per-row against batched: `python -m bench.sampling`.
 
-`per_row` is the algorithm the continuous batcher used before `engines.sampling`: for every row,
+`per_row` is the algorithm the continuous batcher used before `engines.huggingface.sampling`: for every row,
 transformers' logits processors one by one (repetition penalty over `torch.tensor(prompt +
 generated)`, a bincount of the completion for presence/frequency, then temperature, top-k,
 top-p, min-p) and `torch.multinomial` with the row's generator. `batched` is
-`engines.sampling.BatchSampler`. Both sample the same simulated decode: random logits over
+`engines.huggingface.sampling.BatchSampler`. Both sample the same simulated decode: random logits over
 SmolLM2's vocabulary (49,152), `--prompt-tokens` of prompt per row, each row's completion
 growing by the sampled token for `--steps` steps; the two alternate step by step on the same
 machine state (same logits, same seeds), so the ratio is read from one run. It also counts
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from engines.base import SamplingParams
-from engines.sampling import BatchSampler, with_logit_bias
+from engines.huggingface.sampling import BatchSampler, with_logit_bias
 
 VOCAB = 49152  # SmolLM2-135M's vocabulary
 
@@ -55,7 +55,7 @@ MIXES["penalties"] = [dataclasses.replace(p, repetition_penalty=1.1, presence_pe
 
 @dataclass(eq=False)
 class Request:
-    """The part of a batch request that sampling reads (`engines.sampling.BatchRow`)."""
+    """The part of a batch request that sampling reads (`engines.huggingface.sampling.BatchRow`)."""
 
     params: SamplingParams
     prompt_ids: list[int]
@@ -69,7 +69,7 @@ class Row:
 
 
 def per_row(rows: list, logits: torch.Tensor) -> torch.Tensor:
-    """The per-row sampling of the continuous batcher before `engines.sampling` (kept as the
+    """The per-row sampling of the continuous batcher before `engines.huggingface.sampling` (kept as the
     reference for tests/test_sampling.py): next token per row, `[rows]` int64."""
     logits = _with_logit_bias(rows, logits)
     plain_greedy = all(r.request.params.greedy and not _has_penalties(r.request.params) for r in rows)
@@ -186,9 +186,9 @@ def engine_main(streams: int, rounds: int, max_tokens: int) -> None:
     from bench import __file__ as bench_init
     from engines import create_engine
     from engines.config import EngineConfig
-    from engines.continuous_batching import ContinuousBatcher
+    from engines.huggingface.scheduler import ContinuousBatcher
     from engines.model_source import ensure_embedded_model
-    from engines.prompt import PromptRenderer
+    from engines.prompt.renderer import PromptRenderer
 
     model_dir = ensure_embedded_model()
     prompts = json.loads((Path(bench_init).parent / "prompts.json").read_text())["prompts"]

@@ -31,7 +31,7 @@ from bench import venvs
 from bench.loadgen import CLIENTS, http_level
 from bench.metrics import LevelResult, RequestRecord, count_tokens, summarize
 from bench.servers import ServerProcess, StartError, wait_for_quiet_cpu
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 
 MODEL_ID = "smollm2"
 TARGETS = ("lmserve-hf", "inprocess-hf", "lmserve-vllm", "inprocess-vllm", "vllm-serve", "llamafactory")
@@ -275,8 +275,8 @@ def run_inprocess_target(name: str, s: Settings) -> TargetResult:
         python = backend_python(backend, s)
     except UnavailableError as exc:
         return TargetResult(name, "not available", str(exc))
-    result = TargetResult(name, "ok", description=f"engines.create_engine (infer_backend {backend}), float32, "
-                                                  "same prompts rendered by engines/prompt.py; no Ray, no HTTP")
+    result = TargetResult(name, "ok", description=f"engines.create_engine (infer_backend {backend}), float32, same "
+                                                  "prompts rendered by engines/prompt/renderer.py; no Ray, no HTTP")
     out = s.log_dir / f"{name}.json"
     out.unlink(missing_ok=True)
     cmd = [str(python), "-m", "bench.inprocess", "--backend", backend, "--model-dir", str(s.model_dir),

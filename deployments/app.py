@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployments import constants
-from deployments.constants import INGRESS_DEPLOYMENT_DEFAULTS, MODEL_DEPLOYMENT_DEFAULTS
-from deployments.deployment_options import DeploymentOptions
+from deployments.serve import deployment_defaults as constants
+from deployments.serve.deployment_defaults import INGRESS_DEPLOYMENT_DEFAULTS, MODEL_DEPLOYMENT_DEFAULTS
+from deployments.serve.deployment_options import DeploymentOptions
 from deployments.settings import IngressSettings, direct_streaming_env, settings
 from engines import engine_class
 from engines.config import ConfigError, EngineConfig, format_validation_error
@@ -275,8 +275,8 @@ def build_app(args: dict[str, Any]):
     """
     from ray import serve
 
-    from deployments.ingress import OpenAIIngress
-    from deployments.model_server import ModelServer
+    from deployments.openai.ingress import OpenAIIngress
+    from deployments.serve.model_server import ModelServer
 
     app_args, configs = parse_args(args)
     try:
@@ -322,7 +322,7 @@ def _build_direct_streaming_app(app_args: AppArgs, configs: dict[str, EngineConf
     """One `DirectStreamingServer` deployment for the application's only model."""
     from ray import serve
 
-    from deployments.direct_streaming import DirectStreamingServer
+    from deployments.serve.direct_streaming import DirectStreamingServer
 
     if len(configs) != 1:
         raise ConfigError(f"application args: direct_streaming serves one model per application, not "

@@ -6,7 +6,7 @@ which serves them on Ray's Prometheus endpoint (`--metrics-export-port`) beside 
 `ray_serve_*` metrics. Ray prefixes every name with `ray_` and counters get `_total`, so
 `lmserve_prompt_tokens` is scraped as `ray_lmserve_prompt_tokens_total`. Names follow vLLM's
 (`vllm:time_to_first_token_seconds`, ...); the engines' own metrics (`ray_vllm_*`,
-`ray_sglang_*`) are exported beside these by `deployments/engine_metrics.py`. Every series
+`ray_sglang_*`) are exported beside these by `deployments/serve/engine_metrics.py`. Every series
 carries the labels `model_id` and `backend` (plus Ray's `WorkerId`, `NodeAddress`,
 `SessionName`, ...: sum over them).
 
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from deployments.constants import GAUGE_REFRESH_S
+from deployments.serve.deployment_defaults import GAUGE_REFRESH_S
 from engines.base import GenerationDelta
 
 LABELS = ("model_id", "backend")

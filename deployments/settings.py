@@ -24,7 +24,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engines.media import MediaSettings
+from engines.prompt.media import MediaSettings
 
 
 def _split_commas(value: object) -> object:

@@ -5,8 +5,8 @@
 
 Sources: `deployments.app.AppArgs` and `ModelEntry` (serve_config.yaml's `args`),
 `engines.config.EngineConfig` (a model entry / LLaMA-Factory inference YAML),
-`deployments.constants.MODEL_DEPLOYMENT_DEFAULTS` (per-backend deployment defaults),
-`deployments.settings.Settings` and `engines.media.MediaSettings` (environment variables).
+`deployments.serve.deployment_defaults.MODEL_DEPLOYMENT_DEFAULTS` (per-backend deployment defaults),
+`deployments.settings.Settings` and `engines.prompt.media.MediaSettings` (environment variables).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _env_table(model: type, prefix: str = "LMSERVE_", skip: tuple[str, ...] = ()
 
 
 def _model_defaults_table() -> list[str]:
-    from deployments.constants import MODEL_DEPLOYMENT_DEFAULTS
+    from deployments.serve.deployment_defaults import MODEL_DEPLOYMENT_DEFAULTS
 
     lines = ["| backend | `max_ongoing_requests` | `max_queued_requests` "
              "| `autoscaling_config.target_ongoing_requests` |", "|---|---|---|---|"]
@@ -104,10 +104,10 @@ def _model_defaults_table() -> list[str]:
 def render() -> str:
     """The text of docs/configuration.md."""
     from deployments.app import AppArgs, ModelEntry
-    from deployments.constants import AUTOSCALING_DEFAULTS, INGRESS_DEPLOYMENT_DEFAULTS
+    from deployments.serve.deployment_defaults import AUTOSCALING_DEFAULTS, INGRESS_DEPLOYMENT_DEFAULTS
     from deployments.settings import Settings
     from engines.config import _INERT_FIELDS, flat_fields
-    from engines.media import MediaSettings
+    from engines.prompt.media import MediaSettings
 
     engine_fields = {name: f for name, f in flat_fields().items() if name != "extra_inert"}
     out = [
@@ -144,7 +144,7 @@ def render() -> str:
         "",
         *_fields_table(AppArgs.model_fields),
         "",
-        "`media` takes these fields (`engines.media.MediaSettings`):",
+        "`media` takes these fields (`engines.prompt.media.MediaSettings`):",
         "",
         *_fields_table(MediaSettings.model_fields),
         "",
@@ -179,8 +179,8 @@ def render() -> str:
         "`max_ongoing_requests`, `max_queued_requests`, `ray_actor_options`, `health_check_period_s`,",
         "`graceful_shutdown_timeout_s`, `placement_group_bundles`, ...), checked when the config is parsed:",
         "an unknown option, also inside `ray_actor_options` and `autoscaling_config`, fails naming it.",
-        "They are deep-merged over lmserve's defaults (`deployments/constants.py`), which depend on the",
-        "backend:",
+        "They are deep-merged over lmserve's defaults (`deployments/serve/deployment_defaults.py`),",
+        "which depend on the backend:",
         "",
         *_model_defaults_table(),
         "",
@@ -216,7 +216,7 @@ def render() -> str:
         "`$LMSERVE_HOME/models/` and reused (engines/model_source.py). |",
         "",
         "Ray Serve's own variables (`RAY_SERVE_*`) that `lmserve serve` and `lmserve api` set before",
-        "starting a local cluster are described in `deployments/cluster_env.py`.",
+        "starting a local cluster are described in `deployments/cluster/env.py`.",
         "",
     ]
     return "\n".join(out)

@@ -15,7 +15,7 @@ def engine_class(backend: str) -> type[Engine]:
         NotImplementedError: for a backend not built yet, naming it.
     """
     if backend == "huggingface":
-        from engines.huggingface import HuggingFaceEngine
+        from engines.huggingface.engine import HuggingFaceEngine
 
         return HuggingFaceEngine
     if backend == "vllm":
@@ -23,11 +23,11 @@ def engine_class(backend: str) -> type[Engine]:
 
         return VLLMEngine
     if backend == "sglang":
-        from engines.sglang import SGLangEngine
+        from engines.sglang.engine import SGLangEngine
 
         return SGLangEngine
     if backend == "ktransformers":
-        from engines.ktransformers import KTransformersEngine
+        from engines.sglang.ktransformers import KTransformersEngine
 
         return KTransformersEngine
     raise NotImplementedError(

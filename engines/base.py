@@ -1,6 +1,6 @@
 """The engine contract shared by every backend.
 
-An engine takes prompt token ids (rendered once by `engines.prompt`) plus `SamplingParams` and
+An engine takes prompt token ids (rendered once by `engines.prompt.renderer`) plus `SamplingParams` and
 yields `GenerationDelta`s. Streaming and non-streaming share this one path: a non-streamed
 response is the concatenation of the deltas. Engines are plain async objects; Ray lives in
 `deployments/` only.
@@ -88,7 +88,7 @@ class SamplingParams:
 
 @dataclass
 class MediaInput:
-    """The images of a chat request, rendered once (engines/prompt.py) for every backend.
+    """The images of a chat request, rendered once (engines/prompt/renderer.py) for every backend.
 
     `images`: decoded RGB `PIL.Image`s in prompt order (already bounded by the config's
     `image_max_pixels`/`image_min_pixels`). `placeholder_prompt_ids`: the chat template's output

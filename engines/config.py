@@ -380,7 +380,7 @@ class EngineConfig(BaseModel):
     @field_validator("template")
     @classmethod
     def _known_template(cls, value: str | None) -> str | None:
-        from engines.chat_templates import TOKENIZER_TEMPLATE, get_template, is_template_name
+        from engines.prompt.templates import TOKENIZER_TEMPLATE, get_template, is_template_name
 
         if value is None or value == TOKENIZER_TEMPLATE:
             return value
@@ -393,7 +393,7 @@ class EngineConfig(BaseModel):
     @field_validator("tool_format")
     @classmethod
     def _known_tool_format(cls, value: str | None) -> str | None:
-        from engines.tool_formats import get_tool_format
+        from engines.prompt.tool_formats import get_tool_format
 
         if value is not None:
             get_tool_format(value)  # ValueError naming the known formats

@@ -3,7 +3,7 @@
 A `ServingError` says what went wrong (`ErrorKind`), in words (`message`), and which request
 field it is about (`param`, OpenAI's name for it). It knows nothing of HTTP or Ray: a model
 replica sends it to the ingress as a value (it pickles to the same object), and only the HTTP
-edge (`deployments.errors.to_error_response`) turns a kind into a status code and OpenAI's
+edge (`deployments.openai.errors.to_error_response`) turns a kind into a status code and OpenAI's
 error body. This is the split of vLLM's OpenAI server, where engine and serving code raise and
 one function builds the error response.
 

@@ -69,7 +69,7 @@ TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"
 
 def resolve_tokenizer_path(name: str) -> Path:
     """Return a local directory holding what it takes to load the model's tokenizer, processor
-    and chat template (`engines.prompt.PromptRenderer.for_config`), without its weights where
+    and chat template (`engines.prompt.renderer.PromptRenderer.for_config`), without its weights where
     they can be left out: a hub ID is fetched with `TOKENIZER_FILE_PATTERNS` only. A local
     directory and the embedded default are resolved as by `resolve_model_path`.
 

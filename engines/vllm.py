@@ -1,7 +1,7 @@
 """The `vllm` backend: vLLM's `AsyncLLM` (V1 engine) fed lmserve's prompt token ids.
 
 vLLM batches concurrent requests continuously, pages its KV cache and runs tensor/pipeline
-parallel; lmserve only renders the prompt (engines/prompt.py, so every backend sees the same ids),
+parallel; lmserve only renders the prompt (engines/prompt/renderer.py, so every backend sees the same ids),
 maps `EngineConfig` to vLLM's engine arguments the way LLaMA-Factory's vLLM engine does
 (`src/llamafactory/chat/vllm_engine.py`), maps `SamplingParams` to vLLM's and turns vLLM's
 `RequestOutput`s (delta mode) into `GenerationDelta`s.

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
 
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # no background connections: this machine's network is closed, and the page must need none

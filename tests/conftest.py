@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 
 
 def pytest_addoption(parser):
@@ -233,7 +233,7 @@ def real_sglang_python() -> str:
 
 @pytest.fixture(scope="session")
 def renderer(model_dir):
-    from engines.prompt import PromptRenderer
+    from engines.prompt.renderer import PromptRenderer
 
     return PromptRenderer.from_pretrained(model_dir)
 
@@ -276,7 +276,7 @@ def serve_url(model_dir, metrics_port):
 
     from deployments.app import build_app
 
-    from deployments.cluster_env import apply_ray_high_throughput_env
+    from deployments.cluster.env import apply_ray_high_throughput_env
 
     for key, value in TEST_RAY_ENV.items():
         os.environ.setdefault(key, value)

@@ -3,7 +3,7 @@ harness that serves it through the real OpenAI ingress without Ray: the fast tie
 serving layer (SSE framing, usage, `n` > 1, tool calls, errors, deadlines) runs on it in seconds.
 
 `FakeEngine` is not a mock of lmserve code: it answers `GenerationRequest`s with scripted output
-(`Reply`) the way a real backend does (engines/huggingface.py): the config's generating defaults
+(`Reply`) the way a real backend does (engines/huggingface/engine.py): the config's generating defaults
 and context-length checks (`prepare_generation`), `max_tokens` ending a choice with "length",
 `stop` strings cut out of the text with "stop" and the string as `stop_reason`, `n` choices
 interleaved with their `index`, one token per scripted piece, logprobs when asked, and `usage` on
@@ -11,7 +11,7 @@ the last delta. It also raises scripted errors, sleeps where told and records wh
 
 The prompt side is real too: `write_tiny_model_dir` writes a model directory without weights (a
 byte-level tokenizer, a ChatML chat template with Hermes-style tools, a `config.json`) that
-`engines.prompt.PromptRenderer` loads like any model's.
+`engines.prompt.renderer.PromptRenderer` loads like any model's.
 """
 
 from __future__ import annotations
@@ -268,8 +268,8 @@ async def build_fake_app(engine: FakeEngine, model_dir: Path, *, model_id: str =
 
     Call it from the event loop that serves the requests; the engine is started here.
     """
-    from deployments.ingress import OpenAIIngress, create_app
-    from deployments.model_client import InProcessClient
+    from deployments.openai.ingress import OpenAIIngress, create_app
+    from deployments.serve.model_client import InProcessClient
 
     await engine.start()
     entry = {"model_name_or_path": str(model_dir), "infer_backend": engine.capabilities.backend, **(config or {})}

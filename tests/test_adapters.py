@@ -83,7 +83,7 @@ def tiny(tmp_path_factory, tiny_model_dir):
 
 
 def start(model_dir, adapters=None):
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), adapter_name_or_path=adapters))
     run(engine.start())
@@ -192,7 +192,7 @@ def test_an_adapter_directory_with_a_dot_in_its_name(tiny, answers, tmp_path):
 def test_an_adapter_of_another_base_model_is_refused_at_start(tiny, tmp_path, other):
     """peft loads an adapter of a deeper model without a word (the extra layers' weights are
     dropped): every mismatch must stop the start, naming `adapter_name_or_path`."""
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     model = tiny_llama(layers=other.get("layers", 2), hidden=other.get("hidden", 64))
     adapter = make_lora(model, tmp_path / "foreign", seed=3, r=4, target_modules=["q_proj"])
@@ -223,7 +223,7 @@ def test_vllm_and_sglang_refuse_an_adapter_of_another_base_model_before_loading(
 
 def test_lmserve_check_names_an_adapter_of_another_base_model(tiny, tmp_path):
     """`lmserve check` (and api/serve before Ray starts) runs the same header check."""
-    from deployments.preflight import check_model_sources
+    from deployments.cli.preflight import check_model_sources
     from engines.config import ConfigError
 
     foreign = make_lora(tiny_llama(layers=3), tmp_path / "foreign", seed=3, r=4, target_modules=["q_proj"])
@@ -258,7 +258,7 @@ def test_the_header_check_passes_adapters_of_the_model_and_what_it_cannot_read(t
 def test_adapters_that_train_whole_modules_are_not_combined(tiny, tmp_path):
     """`modules_to_save` replaces a module; two adapters cannot both be applied per request,
     so the start fails rather than serving a model that is not LLaMA-Factory's merge."""
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     head = make_lora(tiny_llama(), tmp_path / "head", seed=4, r=4, target_modules=["q_proj"],
                      modules_to_save=["lm_head"])
@@ -282,7 +282,7 @@ def test_applied_adapters_follow_llamafactory_per_backend(backend, applied):
 def test_vllm_and_sglang_serve_the_first_adapter_without_a_name(lora_name, chosen):
     """LLaMA-Factory's vllm engine sends `LoRARequest("default", 1, adapter_name_or_path[0])` with
     every request; lmserve's vllm and sglang engines pick the same adapter for the model ID."""
-    from engines.sglang import generate_payload
+    from engines.sglang.wire import generate_payload
     from engines.vllm import VLLMEngine
 
     for backend in ("vllm", "sglang"):
@@ -303,7 +303,7 @@ def test_an_adapter_directory_named_base_does_not_hide_the_base_model():
 
 
 def test_model_ids_of_a_model_with_adapters():
-    from deployments.router import ModelEntry, ModelRouter, describe_served_models, served_model_ids
+    from deployments.serve.router import ModelEntry, ModelRouter, describe_served_models, served_model_ids
 
     config = EngineConfig(adapter_name_or_path="/a/sft,/b/dpo")
     assert served_model_ids("m", config) == {"m": None, "m:sft": "sft", "m:dpo": "dpo", "m:base": BASE_MODEL}

@@ -15,8 +15,8 @@ from ray.serve._private.autoscaling_state import _resolve_policy_callable
 
 from deployments.app import build_app, direct_streaming_options, model_deployment_options
 from deployments.autoscaling import QueueAwarePolicy, queue_aware_policy
-from deployments.constants import MODEL_DEPLOYMENT_DEFAULTS, TARGET_ONGOING_REQUESTS
-from deployments.errors import overloaded_from_backpressure, to_error_response
+from deployments.serve.deployment_defaults import MODEL_DEPLOYMENT_DEFAULTS, TARGET_ONGOING_REQUESTS
+from deployments.openai.errors import overloaded_from_backpressure, to_error_response
 from engines import BUILT_BACKENDS
 from engines.config import ConfigError, EngineConfig
 

@@ -11,8 +11,8 @@ import math
 import pytest
 from fake_engine import FakeEngine, Reply, serve_fake
 
-from deployments.serving_chat import chat_logprobs
-from deployments.serving_completion import completion_logprobs
+from deployments.openai.serving_chat import chat_logprobs
+from deployments.openai.serving_completion import completion_logprobs
 from engines.base import TokenLogprob
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from deployments.batch import DatasetError, EngineWorker, plan_batches, read_dataset, resume_output
+from deployments.cli.batch import DatasetError, EngineWorker, plan_batches, read_dataset, resume_output
 from engines.config import EngineConfig
 from tests.fake_engine import FakeEngine, write_tiny_model_dir
 
-LMSERVE = [sys.executable, "-m", "deployments.cli"]
+LMSERVE = [sys.executable, "-m", "deployments.cli.main"]
 ALPACA = [{"instruction": "What is the capital of France?", "input": "", "output": "Paris"},
           {"instruction": "Translate to French:", "input": "cat", "output": "chat", "system": "Be brief.",
            "history": [["Hi", "Hello!"]]},
@@ -175,7 +175,7 @@ def test_a_worker_that_cannot_load_its_model_ends_the_run_with_its_error(tmp_pat
 def test_workers_the_cluster_cannot_place_end_the_run_with_the_resources(tmp_path, model_dir):
     data = tmp_path / "data.json"
     data.write_text(json.dumps(ALPACA))
-    script = ("import sys\nfrom deployments.batch import WorkerStartError, run_batch\n"
+    script = ("import sys\nfrom deployments.cli.batch import WorkerStartError, run_batch\n"
               "from engines.config import EngineConfig\n"
               "try:\n    run_batch(EngineConfig(model_name_or_path=sys.argv[1]), sys.argv[2], sys.argv[3],"
               " num_cpus_per_worker=4096, start_timeout_s=5)\n"

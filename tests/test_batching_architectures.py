@@ -27,9 +27,9 @@ import pytest
 import torch
 import transformers
 
-from engines.attention import use_gqa_attention
+from engines.huggingface.attention import use_gqa_attention
 from engines.base import SamplingParams
-from engines.continuous_batching import BatchRequest, ContinuousBatcher
+from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
 
 VOCAB = 256
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -277,7 +277,7 @@ def test_a_cache_layer_that_cannot_be_merged_runs_each_batch_to_its_end(caplog):
         client.wait_for_tokens("c", 1)
         order.extend(["c-started", f"a-had-{len(client.tokens['a'][0])}"])
 
-    with caplog.at_level("WARNING", logger="engines.continuous_batching"):
+    with caplog.at_level("WARNING", logger="engines.huggingface.scheduler"):
         client = _run(model, schedule, chunked_prefill_size=16)
     assert order == ["c-started", f"a-had-{specs['a'][2]}"]  # c began after a ended
     assert _mismatches(inner, client, specs) == []

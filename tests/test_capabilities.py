@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.protocol import ChatCompletionRequest
-from deployments.router import check_capabilities
+from deployments.openai.protocol import ChatCompletionRequest
+from deployments.serve.router import check_capabilities
 from engines.base import Capabilities
 from engines.capabilities import FEATURE_LABELS, capabilities_table
 from engines.config import EngineConfig

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.chat_templates import TemplateError, get_template, parse_template, template_names
+from engines.prompt.templates import TemplateError, get_template, parse_template, template_names
 
 DATA = Path(__file__).parent / "data" / "llamafactory"
 FIXTURES = json.loads(gzip.decompress((DATA / "templates.json.gz").read_bytes()))

@@ -12,10 +12,10 @@ import openai
 import pytest
 import yaml
 
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 from engines.config import ConfigError, load_config_file, parse_overrides
 
-LMSERVE = [sys.executable, "-m", "deployments.cli"]
+LMSERVE = [sys.executable, "-m", "deployments.cli.main"]
 LF_YAML = "model_name_or_path: smollm2\ntemplate: smollm2\ninfer_backend: huggingface\nfinetuning_type: lora\n"
 
 
@@ -112,7 +112,7 @@ def test_check_validates_llamafactory_yamls_with_overrides_and_serve_configs(tmp
 
 
 def test_clusters_start_in_ray_serve_high_throughput_mode_unless_the_environment_says_otherwise():
-    from deployments.cluster_env import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
+    from deployments.cluster.env import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
 
     environ: dict[str, str] = {}
     assert apply_ray_high_throughput_env(environ) == environ
@@ -298,8 +298,8 @@ def test_second_cluster_ports_avoid_a_port_held_with_so_reuseport(monkeypatch):
     share its requests."""
     import socket
 
-    import engines.server_process
-    from deployments.cluster_env import second_cluster_ports_env
+    import engines.sglang.server_process
+    from deployments.cluster.env import second_cluster_ports_env
 
     with socket.socket() as held:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -309,8 +309,8 @@ def test_second_cluster_ports_avoid_a_port_held_with_so_reuseport(monkeypatch):
         http_port = port + 200
         # the first block would cover `port`, the second `http_port`
         bases = iter([port - 5, http_port - 43, port + 300])
-        real = engines.server_process.free_port
-        monkeypatch.setattr(engines.server_process, "free_port",
+        real = engines.sglang.server_process.free_port
+        monkeypatch.setattr(engines.sglang.server_process, "free_port",
                             lambda host="127.0.0.1": next(bases, None) or real(host))
         env = second_cluster_ports_env(avoid=[http_port])
     ports = sorted(int(v) for v in env.values())
@@ -326,7 +326,7 @@ def test_second_cluster_ports_cover_every_fixed_serve_port():
     test once got the test session's 401."""
     from ray.serve._private import constants as serve_constants
 
-    from deployments.cluster_env import RAY_SERVE_DEFAULT_PORTS, second_cluster_ports_env
+    from deployments.cluster.env import RAY_SERVE_DEFAULT_PORTS, second_cluster_ports_env
 
     ray_defaults = {name: getattr(serve_constants, name) for name in dir(serve_constants)
                     if name.startswith("RAY_SERVE_") and name.endswith("_PORT")
@@ -340,8 +340,8 @@ def test_second_cluster_ports_cover_every_fixed_serve_port():
 def test_a_new_cluster_takes_its_own_ports_only_when_another_holds_the_defaults(monkeypatch):
     import socket
 
-    from deployments import cluster_env
-    from deployments.cluster_env import PortsInUseError, apply_own_serve_ports_if_taken
+    from deployments.cluster import env as cluster_env
+    from deployments.cluster.env import PortsInUseError, apply_own_serve_ports_if_taken
 
     # Stand-ins for Ray Serve's default ports, free now (the test session's cluster may hold the real ones).
     defaults = {name: free_port() for name in cluster_env.RAY_SERVE_DEFAULT_PORTS}
@@ -484,7 +484,7 @@ def test_the_replicas_own_error_is_taken_from_ray_serves_deployment_message():
     """Ray Serve's DEPLOY_FAILED message (Ray 2.60, as `serve.status()` gives it) wraps the
     replica's traceback; the last exception, with the lines of a message that spans several, is
     the cause `lmserve api`/`serve` print."""
-    from deployments.startup import replica_error
+    from deployments.cli.startup import replica_error
 
     message = (
         "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor "
@@ -493,7 +493,7 @@ def test_the_replicas_own_error_is_taken_from_ray_serves_deployment_message():
         '  File "/ray/serve/_private/replica.py", line 1928, in initialize\n'
         "    raise RuntimeError(traceback.format_exc()) from None\n"
         "RuntimeError: Traceback (most recent call last):\n"
-        '  File "/lmserve/engines/huggingface.py", line 125, in start\n'
+        '  File "/lmserve/engines/huggingface/engine.py", line 125, in start\n'
         "engines.errors.ModelLoadError: could not load model from '/m': ValueError: bad field:\n"
         "    TypeError: expected int\n")
     assert replica_error(message) == ("ModelLoadError: could not load model from '/m': ValueError: bad field: "

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 
-LMSERVE = [sys.executable, "-m", "deployments.cli"]
+LMSERVE = [sys.executable, "-m", "deployments.cli.main"]
 pytestmark = pytest.mark.slow
 
 
@@ -48,7 +48,7 @@ def _run(command: list[str], env: dict, timeout_s: float) -> tuple[int, str]:
 
 def _lmserve_lines(out: str) -> list[str]:
     """lmserve's own lines, which are all the command prints: Ray's records and the replicas'
-    output go to log files (`deployments/console.py`)."""
+    output go to log files (`deployments/cli/console.py`)."""
     lines = out.splitlines()
     assert all(line.startswith("lmserve: ") for line in lines), out[-3000:]
     return lines

@@ -16,12 +16,12 @@ import httpx
 import psutil
 import pytest
 
-from deployments.cluster_env import RAY_SERVE_DEFAULT_PORTS, apply_ray_loopback_env, move_api_key_to_file
+from deployments.cluster.env import RAY_SERVE_DEFAULT_PORTS, apply_ray_loopback_env, move_api_key_to_file
 from deployments.settings import IngressSettings, Settings
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-LMSERVE = [sys.executable, "-m", "deployments.cli"]
+LMSERVE = [sys.executable, "-m", "deployments.cli.main"]
 
 
 def test_api_key_moves_to_a_file_only_its_owner_reads():
@@ -55,7 +55,7 @@ def test_loopback_env_gives_a_new_node_the_loopback_address_after_ray_is_importe
     # As the CLI does: Ray is imported (to ask whether ray.init() starts a local cluster) before
     # the variable is set, so the value Ray read at import must follow it.
     code = ("import ray._private.services as services\n"
-            "from deployments.cluster_env import apply_ray_loopback_env\n"
+            "from deployments.cluster.env import apply_ray_loopback_env\n"
             "apply_ray_loopback_env()\n"
             "print(services.get_node_ip_address())\n")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}

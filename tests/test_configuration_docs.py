@@ -17,7 +17,7 @@ def test_every_configuration_field_is_described():
     from deployments.app import AppArgs, ModelEntry
     from deployments.settings import Settings
     from engines.config import EngineConfig
-    from engines.media import MediaSettings
+    from engines.prompt.media import MediaSettings
 
     for model in (AppArgs, ModelEntry, EngineConfig, Settings, MediaSettings):
         missing = [name for name, field in model.model_fields.items()

@@ -1,5 +1,5 @@
 """What `lmserve serve`/`api` print: Ray's own records go to the run's log file unless --verbose
-(`deployments/console.py`). No Ray cluster here: Ray's loggers are imported in a child process,
+(`deployments/cli/console.py`). No Ray cluster here: Ray's loggers are imported in a child process,
 and `ray.init` is replaced where the CLI calls it."""
 
 import subprocess
@@ -11,7 +11,7 @@ QUIET_SCRIPT = textwrap.dedent("""
     import logging, sys, warnings
     from pathlib import Path
     import ray.serve  # noqa: F401 - adds Serve's own stderr handler, as the CLI has before ray.init
-    from deployments.console import divert_stdout, quiet_ray_console
+    from deployments.cli.console import divert_stdout, quiet_ray_console
 
     log = Path(sys.argv[1])
     quiet_ray_console(log)
@@ -44,7 +44,8 @@ def test_ray_records_and_warnings_go_to_the_log_file_and_errors_still_reach_the_
 def test_verbose_leaves_rays_output_alone_and_quiet_names_both_log_places(tmp_path, monkeypatch):
     import ray
 
-    from deployments import cli, console
+    from deployments.cli import console
+    from deployments.cli import main as cli
 
     calls = []
     context = types.SimpleNamespace(address_info={"session_dir": "/tmp/ray/session_x"})
@@ -66,6 +67,6 @@ def test_verbose_leaves_rays_output_alone_and_quiet_names_both_log_places(tmp_pa
 
 def test_serve_and_api_take_verbose():
     for command in ("serve", "api"):
-        out = subprocess.run([sys.executable, "-m", "deployments.cli", command, "--help"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "deployments.cli.main", command, "--help"], capture_output=True,
                              text=True, timeout=60).stdout
         assert "--verbose" in out, command

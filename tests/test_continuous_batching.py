@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engines.base import SamplingParams
-from engines.continuous_batching import BatchRequest, ContinuousBatcher
+from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
 from engines.errors import ErrorKind, ServingError
 
 PROMPT_LENGTHS = (40, 13, 27)  # left-padded to 40, beyond the 16-token window
@@ -18,7 +18,7 @@ def sliding_window_model():
     """A 2-layer Mistral with a 16-token sliding window, weights scaled so greedy choices are clear."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from engines.attention import use_gqa_attention
+    from engines.huggingface.attention import use_gqa_attention
 
     torch.manual_seed(0)
     config = MistralConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -278,7 +278,7 @@ def test_a_step_that_keeps_failing_stops_the_batcher(llama_model, monkeypatch):
     `EngineDeadError`): the requests of the failing steps before get the error itself, the one
     in the last step and those still queued get UNAVAILABLE, a new request is failed at once,
     and `alive` is False with the reason in `dead_reason`."""
-    from engines.continuous_batching import MAX_CONSECUTIVE_STEP_FAILURES
+    from engines.huggingface.scheduler import MAX_CONSECUTIVE_STEP_FAILURES
 
     _FailingForward(llama_model, monkeypatch)
     batcher = ContinuousBatcher(llama_model, max_num_seqs=1)  # one request per step
@@ -304,7 +304,7 @@ def test_a_step_that_keeps_failing_stops_the_batcher(llama_model, monkeypatch):
 
 def test_one_successful_step_resets_the_failure_count(llama_model, monkeypatch):
     """Failed steps separated by a successful one never stop the batcher."""
-    from engines.continuous_batching import MAX_CONSECUTIVE_STEP_FAILURES
+    from engines.huggingface.scheduler import MAX_CONSECUTIVE_STEP_FAILURES
 
     failure = _FailingForward(llama_model, monkeypatch)
     batcher = ContinuousBatcher(llama_model)
@@ -335,8 +335,8 @@ def test_the_engine_fails_its_health_check_once_steps_keep_failing(tmp_path, mon
 
     from engines.base import GenerationRequest
     from engines.config import EngineConfig
-    from engines.continuous_batching import MAX_CONSECUTIVE_STEP_FAILURES
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.scheduler import MAX_CONSECUTIVE_STEP_FAILURES
+    from engines.huggingface.engine import HuggingFaceEngine
     from fake_engine import write_tiny_model_dir
 
     directory = write_tiny_model_dir(tmp_path / "model")

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engines.errors import ServingError
-from engines.prompt import PromptRenderer, max_chars_per_token
+from engines.prompt.renderer import PromptRenderer, max_chars_per_token
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -50,16 +50,27 @@ def test_docs_refer_to_nothing_outside_the_repository():
         assert "DESIGN.md" not in text and "shared/" not in text, doc
 
 
+def file_map_paths(text: str) -> set[str]:
+    """The paths of docs/design.md's file map: a tree in a code block, two spaces per level, each
+    line a file or folder (ending in /) and what it holds."""
+    block = text[text.index("## File map"):].split("```\n")[1]
+    paths, parents = set(), []
+    for line in block.splitlines():
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name = line.split()[0]
+        parents[depth:] = [name.rstrip("/")]
+        paths.add("/".join(parents))
+    return paths
+
+
 def test_the_file_map_names_every_module_and_only_files_that_exist():
-    """docs/design.md's file map lists each module of deployments/ and engines/ (a newcomer
-    finds every file there), and every path it names exists."""
-    text = (ROOT / "docs" / "design.md").read_text()
-    table = text[text.index("## File map"):]
-    named = set(re.findall(r"^\|\s*(.+?)\s*\|", table, re.M))
-    paths = {p.rstrip("/") for cell in named for p in re.findall(r"`([^`]+)`", cell)}
+    """docs/design.md's file map lists each module of deployments/ and engines/, in every
+    subpackage (a newcomer finds every file there), and every path it names exists."""
+    paths = file_map_paths((ROOT / "docs" / "design.md").read_text())
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, f"docs/design.md's file map names files that do not exist: {missing}"
     modules = {str(p.relative_to(ROOT)) for package in ("deployments", "engines")
-               for p in (ROOT / package).iterdir() if p.suffix in (".py", ".html") and p.name != "__init__.py"}
+               for p in (ROOT / package).rglob("*") if p.suffix in (".py", ".html") and p.name != "__init__.py"
+               and "webchat" not in p.parts and "__pycache__" not in p.parts}
     unlisted = sorted(modules - paths)
     assert not unlisted, f"docs/design.md's file map does not list: {unlisted}"

@@ -269,7 +269,7 @@ def test_logit_bias_through_the_api(client, renderer):
 @pytest.mark.parametrize("words", [6, 820])
 def test_prompt_tokens_are_the_chat_template_s(client, renderer, words):
     """The ingress renders a short prompt in its event loop and a long one (over
-    deployments.constants.INLINE_RENDER_MAX_CHARS, 8192 characters) in a worker thread; both give
+    deployments.serve.deployment_defaults.INLINE_RENDER_MAX_CHARS, 8192 characters) in a worker thread; both give
     the chat template's token ids, for chat and for completions."""
     text = " ".join(["lighthouse"] * words)  # one token per word
     assert (len(text) > 8192) == (words > 100)

@@ -108,7 +108,7 @@ def test_a_template_that_demands_alternating_roles_answers_400(lf_client):
 
 
 def test_a_tool_without_description_reaches_the_template(lf_client, renderer):
-    from engines.prompt import PromptRenderer
+    from engines.prompt.renderer import PromptRenderer
 
     with_tool = lf_client.chat.completions.create(model="smollm2-alt", messages=QUESTION, tools=[BARE_TOOL],
                                                   temperature=0, max_tokens=4)

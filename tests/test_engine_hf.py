@@ -244,7 +244,7 @@ def test_logit_bias_token_id_outside_the_vocabulary_is_refused(hf_engine, render
 def test_batch_limit_queues_requests(model_dir, renderer):
     """With room for 2 sequences, 4 requests wait their turn and all complete correctly."""
     from engines.config import EngineConfig
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), hf_max_num_seqs=2))
     run(engine.start())
@@ -273,7 +273,7 @@ def test_lora_adapters_mix_in_one_batch(model_dir, lora_dir, renderer, hf_engine
     configured, as LLaMA-Factory serves it), differ from the base model's; base requests are
     unchanged; all kinds batched together give the same answers as alone."""
     from engines.config import EngineConfig
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), adapter_name_or_path=str(lora_dir)))
     run(engine.start())
@@ -308,7 +308,7 @@ class _Bursts:
     def __init__(self, model, ids, timeout_s, gap_s, max_tokens=4):
         import threading
 
-        from engines.continuous_batching import ContinuousBatcher
+        from engines.huggingface.scheduler import ContinuousBatcher
 
         self.ids, self.max_tokens = ids, max_tokens
         self.batcher = ContinuousBatcher(model, batch_wait_timeout_s=timeout_s, batch_wait_gap_s=gap_s)
@@ -331,7 +331,7 @@ class _Bursts:
 
         import torch
 
-        from engines.continuous_batching import BatchRequest
+        from engines.huggingface.scheduler import BatchRequest
 
         requests = []
         for _ in arrivals_s:
@@ -350,7 +350,7 @@ class _Bursts:
 def test_admission_window_gathers_a_spread_burst(hf_engine, renderer):
     """Requests arriving 20 ms apart at an empty batch are prefilled together, once arrivals
     have paused for the gap, after a first burst has armed the window
-    (engines/continuous_batching.py, admission window)."""
+    (engines/huggingface/scheduler.py, admission window)."""
     with _Bursts(hf_engine._model, renderer.render_chat(QUESTION), 5.0, 0.3) as bursts:
         first = bursts.send([0, 0.02, 0.04, 0.06])
         assert first[0].scheduled_time < first[1].scheduled_time  # disarmed: the first starts alone
@@ -400,11 +400,11 @@ def test_admission_window_is_bounded_by_the_timeout(hf_engine, renderer):
 
 
 def test_gqa_attention_matches_transformers_sdpa(hf_engine, renderer):
-    """engines/attention.py gives the logits of transformers' own sdpa attention on a left-padded
+    """engines/huggingface/attention.py gives the logits of transformers' own sdpa attention on a left-padded
     batch (prefill, then one decode step on the KV cache), without copying KV heads."""
     import torch
 
-    from engines.attention import ATTN_IMPLEMENTATION
+    from engines.huggingface.attention import ATTN_IMPLEMENTATION
 
     model = hf_engine._model
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
@@ -440,7 +440,7 @@ class _Recorder:
     def __init__(self, model, chunked_prefill_size):
         import threading
 
-        from engines.continuous_batching import ContinuousBatcher
+        from engines.huggingface.scheduler import ContinuousBatcher
 
         self.batcher = ContinuousBatcher(model, chunked_prefill_size=chunked_prefill_size)
         self.events: dict[str, list] = {}
@@ -458,7 +458,7 @@ class _Recorder:
 
         import torch
 
-        from engines.continuous_batching import BatchRequest
+        from engines.huggingface.scheduler import BatchRequest
 
         self.events[name], self.finished[name] = [], threading.Event()
 

@@ -1,4 +1,4 @@
-"""The engines' own metrics (deployments/engine_metrics.py), fast: SGLang's `/metrics` text as the
+"""The engines' own metrics (deployments/serve/engine_metrics.py), fast: SGLang's `/metrics` text as the
 stand-in serves it (tests/standins/sglang_metrics.py, SGLang's names and labels) and a sample in
 SGLang's documented format, parsed and re-exported into recording stand-ins for Ray's metric
 classes; the vLLM engine's stat loggers; the Grafana panels' engine series. The real exports on
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ray.util import metrics as ray_metrics
 
-from deployments.engine_metrics import (
+from deployments.serve.engine_metrics import (
     SGLANG_METRICS,
     VLLM_PANEL_METRICS,
     SGLangMetricsExporter,
@@ -182,7 +182,7 @@ def test_a_failing_scrape_is_logged_once_and_the_next_one_exports(recorded, capl
         await asyncio.sleep(0)  # the last scrape's export
         task.cancel()
 
-    with caplog.at_level(logging.INFO, logger="deployments.engine_metrics"):
+    with caplog.at_level(logging.INFO, logger="deployments.serve.engine_metrics"):
         asyncio.run(scrape())
     assert value(recorded, "sglang_token_usage") == 0.5
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -191,9 +191,9 @@ def test_a_failing_scrape_is_logged_once_and_the_next_one_exports(recorded, capl
 
 
 def test_only_sglang_and_ktransformers_engines_are_scraped():
-    from engines.huggingface import HuggingFaceEngine
-    from engines.ktransformers import KTransformersEngine
-    from engines.sglang import SGLangEngine
+    from engines.huggingface.engine import HuggingFaceEngine
+    from engines.sglang.ktransformers import KTransformersEngine
+    from engines.sglang.engine import SGLangEngine
 
     async def start(engine):
         task = start_engine_metrics("m", engine)
@@ -209,7 +209,7 @@ def test_only_sglang_and_ktransformers_engines_are_scraped():
 
 
 def test_an_unstarted_sglang_engine_has_no_metrics_to_give():
-    from engines.sglang import SGLangEngine
+    from engines.sglang.engine import SGLangEngine
 
     with pytest.raises(ServingError, match="not started"):
         asyncio.run(SGLangEngine(EngineConfig(infer_backend="sglang")).server_metrics())
@@ -234,7 +234,7 @@ def test_a_vllm_replica_engine_gets_vllms_ray_stat_logger_and_the_model_id_as_it
 
 
 def test_other_backends_get_their_plain_engine():
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     assert type(create_replica_engine("m", EngineConfig())) is HuggingFaceEngine
 

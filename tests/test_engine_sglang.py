@@ -24,9 +24,10 @@ from real_sglang import launch_command
 from engines.base import GenerationRequest, SamplingParams
 from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ModelLoadError, ServingError
-from engines.ktransformers import KTransformersEngine
-from engines.server_process import ServerProcess, free_port
-from engines.sglang import SGLangEngine, launch_arguments, server_env
+from engines.sglang.ktransformers import KTransformersEngine
+from engines.sglang.server_process import ServerProcess, free_port
+from engines.sglang.engine import SGLangEngine
+from engines.sglang.launch import launch_arguments, server_env
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,7 @@ VARIED_PROMPTS = [
     "Explain what a CPU does in one sentence.",
     "Who wrote Hamlet?",
 ]
-CHILD_LOG = "engines.server_process"
+CHILD_LOG = "engines.sglang.server_process"
 
 # The engine's HTTP client and its child process belong to the event loop that started them.
 LOOP = asyncio.new_event_loop()
@@ -195,7 +196,7 @@ def test_logit_bias_outside_the_vocabulary_is_refused_before_sending_and_by_the_
 
 def test_lora_adapter_by_name_on_a_gpu_server(model_dir, lora_dir, gpu_standin_engine, renderer):
     """The stand-in only: SGLang serves LoRA on GPUs; on CPU it cannot (`test_lora_on_cpu_*`)."""
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     sglang_engine = gpu_standin_engine
     hf = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), adapter_name_or_path=str(lora_dir)))

@@ -42,7 +42,7 @@ def vrun(coro):
 
 
 def generate(engine, ids, lora_name=None, **params):
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     runner = run if isinstance(engine, HuggingFaceEngine) else vrun
     return runner(collect(engine, GenerationRequest("t", ids, SamplingParams(**params), lora_name=lora_name)))

@@ -1,12 +1,12 @@
 """The one request error type (engines/errors.py) and its mapping at the HTTP edge
-(deployments/errors.py): no model, no Ray cluster."""
+(deployments/openai/errors.py): no model, no Ray cluster."""
 
 import pickle
 
 import pytest
 from ray import cloudpickle
 
-from deployments.errors import http_status, to_error_response
+from deployments.openai.errors import http_status, to_error_response
 from engines.errors import ErrorKind, ModelLoadError, ServingError
 
 STATUS = {

@@ -1,4 +1,4 @@
-"""`lmserve-haproxy` (deployments/haproxy.py): the real HAProxy of ray[serve], with the options Ray
+"""`lmserve-haproxy` (deployments/cluster/haproxy.py): the real HAProxy of ray[serve], with the options Ray
 Serve 2.60 writes into its config, in front of a server that waits for the client's close. Each
 client gives up on its request; the close must reach the server at once, as it must reach a
 replica for a non-streamed request to be cancelled."""
@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deployments.cluster_env import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
-from deployments.haproxy import HAPROXY_BINARY_ENV, LAUNCHER_NAME, launcher_path, real_haproxy_binary
-from engines.server_process import free_port
+from deployments.cluster.env import RAY_HIGH_THROUGHPUT_ENV, apply_ray_high_throughput_env
+from deployments.cluster.haproxy import HAPROXY_BINARY_ENV, LAUNCHER_NAME, launcher_path, real_haproxy_binary
+from engines.sglang.server_process import free_port
 
 LAUNCHER = str(Path(sys.executable).with_name(LAUNCHER_NAME))
 ROUNDS = 10

@@ -1,4 +1,4 @@
-"""`lmserve-haproxy`'s adaptations of Ray Serve's HAProxy config (deployments/haproxy.py
+"""`lmserve-haproxy`'s adaptations of Ray Serve's HAProxy config (deployments/cluster/haproxy.py
 `REWRITES`): each step on the config Ray 2.60 really generates (rendered by Ray's own
 `HAProxyApi`), then the real HAProxy of ray[serve] started through the launcher as Ray starts it
 (`-db -f <config>`), in front of small HTTP servers that stand in for replicas. All loopback."""
@@ -25,10 +25,10 @@ import pytest
 from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
 from ray.serve.config import HTTPOptions
 
-from deployments.haproxy import (ADAPTED_MARK, ERROR_PAGES, HAPROXY_BINARY_ENV, LAUNCHER_NAME, REWRITES,
+from deployments.cluster.haproxy import (ADAPTED_MARK, ERROR_PAGES, HAPROXY_BINARY_ENV, LAUNCHER_NAME, REWRITES,
                                  adapt_config, effective_maxconn)
 from deployments.settings import Settings
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 
 LAUNCHER = str(Path(sys.executable).with_name(LAUNCHER_NAME))
 ATTACKER = "127.0.0.2"  # the whole of 127/8 is loopback: a second client address on this machine

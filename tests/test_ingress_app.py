@@ -1,4 +1,4 @@
-"""The ingress's FastAPI app around its routes (`deployments.ingress.create_app`): the API key is
+"""The ingress's FastAPI app around its routes (`deployments.openai.ingress.create_app`): the API key is
 checked before the body, and expected errors end in Starlette's ExceptionMiddleware instead of
 being re-raised to Ray Serve (which logs every re-raised one as "Request failed." with a
 traceback). Real app, Starlette's test client, routes that raise; no model, no Ray."""
@@ -6,8 +6,8 @@ traceback). Real app, Starlette's test client, routes that raise; no model, no R
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.ingress import create_app
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.openai.ingress import create_app
+from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.settings import IngressSettings
 from engines.errors import ErrorKind, ServingError
 
@@ -112,7 +112,7 @@ def test_without_keys_configured_nothing_is_checked():
 
 
 def test_prompt_errors_name_the_prompt_field_of_the_completions_route():
-    from deployments.serving_completion import prompt_param
+    from deployments.openai.serving_completion import prompt_param
 
     for exc in (ServingError.invalid_request("too long", param="messages"),
                 ServingError(ErrorKind.NOT_SUPPORTED, "too long", param="messages")):

@@ -16,9 +16,9 @@ import jsonschema
 import pytest
 import yaml
 
-from deployments.cli import main as lmserve
+from deployments.cli.main import main as lmserve
 from deployments.metrics import METRICS
-from deployments.rayservice import embedded_serve_config, render_rayservice
+from deployments.cluster.rayservice import embedded_serve_config, render_rayservice
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -139,8 +139,8 @@ def test_rayservice_shape_head_cpu_gpu_autoscaling_resources_probes():
 
 def test_every_pod_runs_ray_serve_high_throughput_mode():
     """Ray reads these in every process (controller, HAProxy manager, replicas): every pod sets them,
-    with the values `lmserve serve` uses (deployments.cluster_env.RAY_HIGH_THROUGHPUT_ENV)."""
-    from deployments.cluster_env import RAY_HIGH_THROUGHPUT_ENV
+    with the values `lmserve serve` uses (deployments.cluster.env.RAY_HIGH_THROUGHPUT_ENV)."""
+    from deployments.cluster.env import RAY_HIGH_THROUGHPUT_ENV
 
     for template in _pod_templates(_rayservice()):
         for c in template["spec"]["containers"]:
@@ -255,7 +255,8 @@ def test_dockerfile_installs_what_the_readme_says():
     assert "lmserve download smollm2" in dockerfile
     # Ray's HAProxy through lmserve-haproxy (no TCP splicing), checked at build time
     launcher = re.search(r"^ENV RAY_SERVE_HAPROXY_BINARY_PATH=(\S+)$", dockerfile, re.M)[1]
-    assert launcher.endswith("/bin/lmserve-haproxy") and 'lmserve-haproxy = "deployments.haproxy:main"' in pyproject
+    assert launcher.endswith("/bin/lmserve-haproxy")
+    assert 'lmserve-haproxy = "deployments.cluster.haproxy:main"' in pyproject
     assert 'RUN test -x "${RAY_SERVE_HAPROXY_BINARY_PATH}"' in dockerfile
     readme = _readme()
     assert base in readme and f"torch {torch_pin}" in readme

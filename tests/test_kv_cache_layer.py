@@ -1,9 +1,9 @@
-"""engines.continuous_batching.GrowingLayer keeps exactly what transformers' DynamicLayer keeps."""
+"""engines.huggingface.kv_cache.GrowingLayer keeps exactly what transformers' DynamicLayer keeps."""
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from engines.continuous_batching import GrowingLayer
+from engines.huggingface.kv_cache import GrowingLayer
 
 
 def _states(batch, length, seed):

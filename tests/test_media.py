@@ -1,4 +1,4 @@
-"""Loading `image_url` content parts (engines/media.py): sources allowed only by configuration,
+"""Loading `image_url` content parts (engines/prompt/media.py): sources allowed only by configuration,
 size, count and time limits, decoding; every failure a 400-class `ServingError` (INVALID_REQUEST)."""
 
 import asyncio
@@ -8,9 +8,9 @@ import pytest
 from PIL import Image
 
 from conftest import SLOW_IMAGE_DELAY_S, data_url, png_bytes
-from deployments.errors import http_status
+from deployments.openai.errors import http_status
 from engines.errors import ServingError
-from engines.media import ImageLoader, ImagePart, MediaSettings, fit_pixels, image_parts
+from engines.prompt.media import ImageLoader, ImagePart, MediaSettings, fit_pixels, image_parts
 
 
 def load(urls, **settings):
@@ -136,11 +136,11 @@ def test_fit_pixels_mirrors_llamafactory(size, expected):
 def test_pixels_of_all_images_are_bounded_per_request_before_decoding(monkeypatch):
     """Eight images just within PIL's own bound would take gigabytes decoded: their pixels
     together are checked from their headers first, and none is decoded when they are too many."""
-    import engines.media
+    import engines.prompt.media
 
     decoded = []
-    decode = engines.media.decode_image
-    monkeypatch.setattr(engines.media, "decode_image",
+    decode = engines.prompt.media.decode_image
+    monkeypatch.setattr(engines.prompt.media, "decode_image",
                         lambda image, where: decoded.append(where) or decode(image, where))
     url = data_url(png_bytes((1, 2, 3), (100, 50)))  # 5,000 pixels
     assert len(load([url] * 2, max_image_pixels_per_request=10_000)) == 2

@@ -34,7 +34,7 @@ def test_embedded_model_is_converted_once_and_reused(model_dir):
 
 @pytest.mark.slow
 def test_corrupt_model_gives_one_clear_error(tmp_path, model_dir):
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     bad = tmp_path / "corrupt"
     bad.mkdir()
@@ -90,7 +90,7 @@ def _repo_with_weights(tmp_path: Path, model_dir: Path) -> Path:
 
 
 def test_ingress_renderer_loads_from_tokenizer_files_only(monkeypatch, tmp_path, tiny_model_dir):
-    from deployments.ingress import OpenAIIngress
+    from deployments.openai.ingress import OpenAIIngress
     from engines.model_source import TOKENIZER_FILE_PATTERNS
 
     repo = _repo_with_weights(tmp_path, tiny_model_dir)
@@ -117,7 +117,7 @@ def test_replica_resolution_still_fetches_the_weights(monkeypatch, tmp_path, tin
 def test_vision_language_processor_loads_from_tokenizer_files_only(monkeypatch, tmp_path, tiny_vlm_dir):
     """A vision-language model's processor (image processor + tokenizer) needs no weights."""
     from engines.model_source import resolve_tokenizer_path
-    from engines.prompt import PromptRenderer
+    from engines.prompt.renderer import PromptRenderer
 
     repo = _repo_with_weights(tmp_path, tiny_vlm_dir)
     fetched = _fake_hub(monkeypatch, {"org/vlm": repo}, tmp_path / "cache")

@@ -28,7 +28,7 @@ def ask(*images, text="What is in the picture?"):
 
 @pytest.fixture(scope="module")
 def vlm_renderer(tiny_vlm_dir):
-    from engines.prompt import PromptRenderer
+    from engines.prompt.renderer import PromptRenderer
 
     return PromptRenderer.from_pretrained(tiny_vlm_dir)
 

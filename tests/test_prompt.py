@@ -3,7 +3,7 @@
 import pytest
 
 from engines.errors import ServingError
-from engines.prompt import PromptRenderer
+from engines.prompt.renderer import PromptRenderer
 
 pytestmark = pytest.mark.slow  # loads the real tokenizer
 

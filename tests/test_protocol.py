@@ -6,8 +6,8 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from deployments.errors import to_error_response
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.openai.errors import to_error_response
+from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engines.base import GenerationRequest, SamplingParams, StructuredOutput, prepare_generation
 from engines.config import EngineConfig
 from engines.errors import ServingError
@@ -148,7 +148,7 @@ def test_malformed_response_format_is_one_400_on_response_format(response_format
 
 
 def test_unknown_fields_are_logged_once_per_name(caplog):
-    with caplog.at_level(logging.INFO, logger="deployments.protocol"):
+    with caplog.at_level(logging.INFO, logger="deployments.openai.protocol"):
         for _ in range(3):
             ChatCompletionRequest(messages=MSG, user="u-1", field_one_of_a_kind=1)
         ChatCompletionRequest(messages=MSG, field_one_of_a_kind=2, field_two_of_a_kind=3)

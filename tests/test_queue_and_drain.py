@@ -98,7 +98,7 @@ def serve_details(app_status="RUNNING", states=("RUNNING", "RUNNING")):
 
 
 def test_a_replica_drains_when_it_is_stopping_or_its_application_is_deleted():
-    from deployments.drain import is_stopping
+    from deployments.serve.drain import is_stopping
 
     assert not is_stopping(serve_details(), "app", "D", "r0")
     assert is_stopping(serve_details(states=("STOPPING", "RUNNING")), "app", "D", "r0")  # scale-down, redeploy
@@ -116,9 +116,9 @@ def test_haproxy_answers_503_for_the_serve_proxy_s_404_while_every_replica_drain
     from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
     from ray.serve.config import HTTPOptions
 
-    from deployments.haproxy import adapt_config, real_haproxy_binary
+    from deployments.cluster.haproxy import adapt_config, real_haproxy_binary
     from deployments.settings import Settings
-    from engines.server_process import free_port
+    from engines.sglang.server_process import free_port
 
     config = HAProxyConfig(
         socket_path=str(tmp_path / "admin.sock"), server_state_base=str(tmp_path),

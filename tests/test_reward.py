@@ -18,7 +18,7 @@ TEXTS = ["The capital of France is Paris.", "The capital of France is Berlin, a 
 
 @pytest.fixture(scope="module")
 def reward_engine(reward_dir):
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(reward_dir), stage="rm"))
     run(engine.start())
@@ -58,7 +58,7 @@ def test_a_reward_model_does_not_generate_and_a_generating_one_does_not_score(re
 
 def test_lora_adapters_are_merged_and_the_head_comes_from_the_last(model_dir, lora_dir, tmp_path):
     """LLaMA-Factory's LoRA reward model: the adapter directory holds the value head."""
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     adapter = tmp_path / "rm-lora"
     shutil.copytree(lora_dir, adapter)
@@ -75,7 +75,7 @@ def test_lora_adapters_are_merged_and_the_head_comes_from_the_last(model_dir, lo
 
 
 def test_a_reward_model_without_value_head_is_refused_naming_the_directory(model_dir):
-    from engines.huggingface import HuggingFaceEngine
+    from engines.huggingface.engine import HuggingFaceEngine
 
     engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), stage="rm"))
     with pytest.raises(ModelLoadError, match="value_head.safetensors") as info:

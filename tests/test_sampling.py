@@ -1,4 +1,4 @@
-"""Batched sampling (engines/sampling.py) against the per-row algorithm it replaced.
+"""Batched sampling (engines/huggingface/sampling.py) against the per-row algorithm it replaced.
 
 The reference is `bench.sampling.per_row`: transformers' logits processors applied row by row
 and `torch.multinomial` with each row's generator, as the continuous batcher sampled before.
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from bench.sampling import Request, Row, per_row, per_row_penalized, per_row_probs
 from engines.base import SamplingParams
-from engines.continuous_batching import BatchRequest, _Row
-from engines.sampling import BatchSampler, draw, warp, with_logit_bias
+from engines.huggingface.scheduler import BatchRequest, _Row
+from engines.huggingface.sampling import BatchSampler, draw, warp, with_logit_bias
 
 INF = float("inf")
 

@@ -9,9 +9,9 @@ import openai
 import pytest
 from fake_engine import FakeEngine, Reply, openai_client, prompt_text, serve_fake
 
-from engines.chat_templates import TemplateError
+from engines.prompt.templates import TemplateError
 from engines.config import EngineConfig
-from engines.prompt import PromptRenderer
+from engines.prompt.renderer import PromptRenderer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER_TOOL = {"type": "function", "function": {

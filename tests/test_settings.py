@@ -7,9 +7,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from deployments import constants
+from deployments.serve import deployment_defaults as constants
 from deployments.app import parse_args
-from deployments.cli import main
+from deployments.cli.main import main
 from deployments.settings import IngressSettings, Settings
 from engines.config import ConfigError
 
@@ -64,7 +64,7 @@ def test_defaults_are_constants_not_environment_reads():
     assert hf["ray_actor_options"] == {"num_cpus": 1.0}
     assert hf["autoscaling_config"]["target_ongoing_requests"] == constants.TARGET_ONGOING_REQUESTS["huggingface"]
     for name in ("apply_ray_high_throughput_env", "apply_own_serve_ports_if_taken", "second_cluster_ports_env"):
-        assert not hasattr(constants, name)  # deployments/cluster_env.py
+        assert not hasattr(constants, name)  # deployments/cluster/env.py
 
 
 @pytest.mark.parametrize("args,message", [

@@ -11,15 +11,10 @@ from engines import engine_capabilities
 from engines.base import SamplingParams
 from engines.config import ConfigError, EngineConfig
 from engines.errors import ServingError
-from engines.ktransformers import KTransformersEngine, kt_flags
-from engines.sglang import (
-    SGLangEngine,
-    _StreamParser,
-    context_length,
-    generate_payload,
-    launch_arguments,
-    sampling_params_payload,
-)
+from engines.sglang.ktransformers import KTransformersEngine, kt_flags
+from engines.sglang.engine import SGLangEngine
+from engines.sglang.launch import context_length, launch_arguments
+from engines.sglang.wire import StreamParser, generate_payload, sampling_params_payload
 
 
 @pytest.fixture
@@ -194,7 +189,7 @@ def out(text, completion, finish=None, index=None, rid="r", prompt=3, **meta):
 
 
 def test_cumulative_text_becomes_deltas_with_usage():
-    parser = _StreamParser(SamplingParams(n=1))
+    parser = StreamParser(SamplingParams(n=1))
     d1 = parser.feed(out("The", 1))
     d2 = parser.feed(out("The capital", 2))
     d3 = parser.feed(out("The capital is Paris.", 6, {"type": "stop", "matched": 2}))
@@ -206,7 +201,7 @@ def test_cumulative_text_becomes_deltas_with_usage():
 
 def test_finish_reasons_are_mapped():
     def finish(reason, stop_token_ids=()):
-        parser = _StreamParser(SamplingParams(stop_token_ids=list(stop_token_ids)))
+        parser = StreamParser(SamplingParams(stop_token_ids=list(stop_token_ids)))
         d = parser.feed(out("x", 1, reason))
         return d.finish_reason, d.stop_reason
 
@@ -222,11 +217,11 @@ def test_finish_reasons_are_mapped():
     with pytest.raises(ServingError, check=lambda e: e.kind == "unavailable", match="503"):
         finish({"type": "abort", "status_code": 503, "message": "overloaded"})
     with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request", match="bad stop"):
-        _StreamParser(SamplingParams()).feed({"error": {"message": "bad stop"}})
+        StreamParser(SamplingParams()).feed({"error": {"message": "bad stop"}})
 
 
 def test_text_that_may_start_a_stop_string_is_held_back():
-    parser = _StreamParser(SamplingParams(stop=["Paris"]))
+    parser = StreamParser(SamplingParams(stop=["Paris"]))
     d1 = parser.feed(out("It is Par", 3))
     assert d1.text == "It is"  # " Par" could begin "Paris": held back (4 = len("Paris") - 1)
     d2 = parser.feed(out("It is", 4, {"type": "stop", "matched": "Paris"}))  # SGLang trimmed the match
@@ -235,7 +230,7 @@ def test_text_that_may_start_a_stop_string_is_held_back():
 
 
 def test_n_choices_use_index_and_count_every_rid():
-    parser = _StreamParser(SamplingParams(n=2))
+    parser = StreamParser(SamplingParams(n=2))
     a = parser.feed(out("Red", 1, index=0, rid="u0"))
     b = parser.feed(out("Blue", 1, index=1, rid="u1"))
     assert (a.index, a.text, b.index, b.text) == (0, "Red", 1, "Blue")
@@ -246,7 +241,7 @@ def test_n_choices_use_index_and_count_every_rid():
 
 
 def test_logprobs_are_taken_from_meta_info():
-    parser = _StreamParser(SamplingParams(logprobs=1))
+    parser = StreamParser(SamplingParams(logprobs=1))
     d = parser.feed(out("Hi", 1, output_token_logprobs=[[-0.1, 7, "Hi"]],
                         output_top_logprobs=[[[-0.1, 7, "Hi"], [-2.5, 8, "Hey"]]]))
     assert [(t.token_id, t.token, t.logprob) for t in d.logprobs] == [(7, "Hi", -0.1)]

@@ -11,8 +11,9 @@ import pytest
 from deployments.app import model_deployment_options, parse_args, replica_config
 from engines.config import EngineConfig
 from engines.errors import ModelLoadError
-from engines.ktransformers import KTransformersEngine
-from engines.sglang import SGLangEngine, launch_arguments, server_device, server_env
+from engines.sglang.ktransformers import KTransformersEngine
+from engines.sglang.engine import SGLangEngine
+from engines.sglang.launch import launch_arguments, server_device, server_env
 from test_sglang_config import flags_of
 from conftest import KT_FIELDS
 
@@ -41,12 +42,12 @@ def test_cpu_flags_bound_the_kv_pool_and_name_the_dtype(tmp_path):
 
 
 def test_cpu_dtype_follows_the_huggingface_backends_rule(tmp_path, monkeypatch):
-    import engines.huggingface
+    import engines.device
 
     assert cpu_flags(tmp_path, dtype="float16")["--dtype"] == ["float32"]
-    monkeypatch.setattr(engines.huggingface, "cpu_supports_bfloat16", lambda: True)
+    monkeypatch.setattr(engines.device, "cpu_supports_bfloat16", lambda: True)
     assert cpu_flags(tmp_path, dtype="bfloat16")["--dtype"] == ["bfloat16"]
-    monkeypatch.setattr(engines.huggingface, "cpu_supports_bfloat16", lambda: False)
+    monkeypatch.setattr(engines.device, "cpu_supports_bfloat16", lambda: False)
     assert cpu_flags(tmp_path, dtype="bfloat16")["--dtype"] == ["float32"]
     assert cpu_flags(tmp_path, dtype="bfloat16", infer_dtype="bfloat16")["--dtype"] == ["bfloat16"]
     # on GPUs SGLang's own auto stays

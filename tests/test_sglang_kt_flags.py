@@ -1,7 +1,7 @@
 """The ktransformers backend's launch flags, parsed by the argument parser of the real sglang-kt.
 
 lmserve starts a ktransformers model as `python -m sglang.launch_server` with flags of its own
-making (`engines/ktransformers.py`, `engines/sglang.py` `launch_arguments`). That server needs a
+making (`engines/sglang/ktransformers.py`, `engines/sglang/launch.py` `launch_arguments`). That server needs a
 GPU, but its argument parser does not: every argv below is made by lmserve's own code from a
 realistic config and parsed by sglang-kt 0.7.2's `ServerArgs` (`tests/sglang_server_args.py`, in
 the environment `.ci/setup-sglang-kt` builds on first use, 1 to 3 minutes, then cached). A flag
@@ -21,7 +21,7 @@ import pytest
 
 from conftest import KT_FIELDS
 from engines.config import EngineConfig, InferDtype
-from engines.ktransformers import KTransformersEngine
+from engines.sglang.ktransformers import KTransformersEngine
 
 pytestmark = pytest.mark.slow
 

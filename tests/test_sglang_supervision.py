@@ -15,7 +15,7 @@ import pytest
 from conftest import group_exists
 from engines.config import EngineConfig
 from engines.errors import ModelLoadError
-from engines.sglang import SGLangEngine
+from engines.sglang.engine import SGLangEngine
 from real_sglang import launch_command
 
 STANDIN = Path(__file__).parent / "standins" / "sglang_server.py"
@@ -53,13 +53,13 @@ def test_readiness_time_out_names_the_limit_and_leaves_no_process(model_path, ca
     """)
     engine = engine_with([sys.executable, "-c", script], model_path, sglang_start_timeout_s=1.5)
     engine.stop_grace_s = 1
-    caplog.set_level(logging.INFO, logger="engines.server_process")
+    caplog.set_level(logging.INFO, logger="engines.sglang.server_process")
     with pytest.raises(ModelLoadError) as info:
         asyncio.run(engine.start())
     assert "not ready after 1.5 s" in info.value.message and "capturing cuda graphs" in info.value.message
     assert not group_exists(engine.server.pgid)
     # the child's output went to this process's log, and the API key did not
-    forwarded = [r.getMessage() for r in caplog.records if r.name == "engines.server_process.sglang"]
+    forwarded = [r.getMessage() for r in caplog.records if r.name == "engines.sglang.server_process.sglang"]
     assert any("capturing cuda graphs" in m for m in forwarded)
     started = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("starting sglang"))
     assert "--api-key '***'" in started
@@ -88,7 +88,7 @@ def test_a_replica_killed_outright_takes_its_server_with_it(tmp_path):
     # in a process group of its own, must not outlive it.
     replica = textwrap.dedent("""
         import asyncio, sys, time
-        from engines.server_process import ServerProcess
+        from engines.sglang.server_process import ServerProcess
         async def main():
             server = ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"], "sleeper")
             await server.start()
@@ -113,7 +113,7 @@ def test_a_replica_killed_outright_takes_its_server_with_it(tmp_path):
 def test_a_second_stop_signals_nothing(monkeypatch):
     """Once its group is gone, the group's id may be another process group's: a second `stop`
     (an engine shut down twice, as after a failed start) must not signal it."""
-    import engines.server_process as server_process
+    import engines.sglang.server_process as server_process
 
     async def start_and_stop_twice():
         server = server_process.ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"], "sleeper")
@@ -130,8 +130,8 @@ def test_a_second_stop_signals_nothing(monkeypatch):
 def test_an_api_key_that_starts_with_a_dash_is_one_argument(model_path):
     """The replica's key is drawn from the URL-safe alphabet, "-" included: argparse took a key
     such as "-Xy..." for a flag and the server exited ("--api-key: expected one argument")."""
-    from engines.server_process import ServerProcess
-    from engines.sglang import launch_arguments
+    from engines.sglang.server_process import ServerProcess
+    from engines.sglang.launch import launch_arguments
 
     sys.path.insert(0, str(STANDIN.parent))
     from sglang_server import parse_args  # the stand-in's parser: SGLang's flags, by argparse

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from starlette.requests import ClientDisconnect
 
-from deployments.sse import sse_response
+from deployments.openai.sse import sse_response
 
 
 def _response_for(generation):

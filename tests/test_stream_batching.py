@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from deployments.stream_batching import batch_stream
+from deployments.serve.stream_batching import batch_stream
 
 
 async def timed_source(delays, fail_at=None, closed=None):

@@ -1,5 +1,5 @@
 """The first token's SSE events leave the replica in one body write, before the response starts
-listening for a disconnect (deployments/sse.py, `ClosingStreamingResponse`): the real app of
+listening for a disconnect (deployments/openai/sse.py, `ClosingStreamingResponse`): the real app of
 a direct-streaming replica over the real huggingface engine, driven at the ASGI level, no Ray."""
 
 import asyncio
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from deployments.ingress import OpenAIIngress, create_app
-from deployments.model_client import InProcessClient
+from deployments.openai.ingress import OpenAIIngress, create_app
+from deployments.serve.model_client import InProcessClient
 from fake_engine import post_scope
 
 pytestmark = pytest.mark.slow

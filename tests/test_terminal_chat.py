@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from deployments.terminal_chat import CLEARED, GOODBYE, HELP, STOPPED, typing_suppressed
+from deployments.cli.terminal_chat import CLEARED, GOODBYE, HELP, STOPPED, typing_suppressed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LF_YAML = "model_name_or_path: smollm2\ntemplate: smollm2\ninfer_backend: huggingface\n"
@@ -94,7 +94,7 @@ class Terminal:
 def chat_terminal(tmp_path, model_dir):
     config = tmp_path / "chat.yaml"
     config.write_text(LF_YAML)
-    terminal = Terminal([sys.executable, "-m", "deployments.cli", "chat", str(config), "do_sample=false",
+    terminal = Terminal([sys.executable, "-m", "deployments.cli.main", "chat", str(config), "do_sample=false",
                          "max_new_tokens=300"])
     yield terminal
     try:

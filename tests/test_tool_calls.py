@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from deployments.tool_calls import ToolCallStreamer, parse_tool_calls
+from engines.prompt.tool_calls import ToolCallStreamer, parse_tool_calls
 
 HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TWO = ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
@@ -67,7 +67,7 @@ def test_the_ingress_streams_a_tool_call_as_openai_chunks():
     delta in one write, the text before the call as content, then one chunk with the call."""
     import asyncio
 
-    from deployments.serving_chat import chat_chunks
+    from deployments.openai.serving_chat import chat_chunks
     from engines.base import GenerationDelta
 
     pieces = [HERMES[:5], HERMES[5:30], HERMES[30:]]

@@ -1,4 +1,4 @@
-"""LLaMA-Factory's tool formats ported to lmserve (`engines/tool_formats.py`), against LLaMA-Factory itself.
+"""LLaMA-Factory's tool formats ported to lmserve (`engines/prompt/tool_formats.py`), against LLaMA-Factory itself.
 
 `tests/data/llamafactory/tool_formats.json.gz` holds what LLaMA-Factory 0.9.5's `tool_utils`
 returned (or raised) for every tool format on a corpus of tool lists, call lists and model
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.tool_formats import TOOL_FORMAT_NAMES, FunctionCall, get_tool_format
+from engines.prompt.tool_formats import TOOL_FORMAT_NAMES, FunctionCall, get_tool_format
 
 FIXTURE = Path(__file__).parent / "data" / "llamafactory" / "tool_formats.json.gz"
 GOLDEN = json.loads(gzip.decompress(FIXTURE.read_bytes()))

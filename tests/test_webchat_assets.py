@@ -1,7 +1,7 @@
-"""The web chat's files (deployments/webchat/, deployments/webchat_assets.py): the vendored
+"""The web chat's files (deployments/openai/webchat/, deployments/openai/webchat_assets.py): the vendored
 JavaScript libraries are pinned by exact version and locked with integrity hashes, shipped with
 their licenses, unchanged since they were fetched (SHA256SUMS), and in the wheel; the page names
-each file with its hash. No network, no browser: `python -m deployments.webchat_assets check`
+each file with its hash. No network, no browser: `python -m deployments.openai.webchat_assets check`
 fetches the pinned versions again."""
 
 import glob
@@ -10,7 +10,15 @@ import re
 import tomllib
 from pathlib import Path
 
-from deployments.webchat_assets import SERVED, VENDOR_DIR, VENDORED, WEBCHAT_DIR, WebChatFiles, file_sums, read_sums
+from deployments.openai.webchat_assets import (
+    SERVED,
+    VENDOR_DIR,
+    VENDORED,
+    WEBCHAT_DIR,
+    WebChatFiles,
+    file_sums,
+    read_sums,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,9 +47,10 @@ def test_vendored_files_are_the_fetched_ones_and_carry_their_licenses():
 
 def test_the_wheel_carries_every_webchat_file():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = config["tool"]["setuptools"]["package-data"]["deployments"]
-    shipped = {Path(p) for pattern in patterns for p in glob.glob(pattern, root_dir=ROOT / "deployments")}
-    files = {p.relative_to(ROOT / "deployments") for p in WEBCHAT_DIR.rglob("*") if p.is_file()}
+    patterns = config["tool"]["setuptools"]["package-data"]["deployments.openai"]
+    package = ROOT / "deployments" / "openai"
+    shipped = {Path(p) for pattern in patterns for p in glob.glob(pattern, root_dir=package)}
+    files = {p.relative_to(package) for p in WEBCHAT_DIR.rglob("*") if p.is_file()}
     assert files and files <= shipped, sorted(files - shipped)
 
 

@@ -65,8 +65,8 @@ def scripted_model(model_dir):
 def served(tiny_model_dir):
     """The ingress app (API key `KEY`) serving `MODELS` on fake engines, on a local port.
     Yields (base URL, model ID -> its engine)."""
-    from deployments.ingress import OpenAIIngress, create_app
-    from deployments.model_client import InProcessClient
+    from deployments.openai.ingress import OpenAIIngress, create_app
+    from deployments.serve.model_client import InProcessClient
 
     reply = scripted_model(tiny_model_dir)
     entries = {mid: {"model_name_or_path": str(tiny_model_dir), **cfg} for mid, cfg in MODELS.items()}
@@ -306,7 +306,7 @@ def test_a_360_px_screen_shows_whole_answers_and_a_settings_drawer(browser, serv
 
 
 def test_the_page_loads_from_its_server_only_and_its_files_need_no_key(browser, served):
-    from deployments.webchat_assets import SERVED
+    from deployments.openai.webchat_assets import SERVED
 
     url, _ = served
     context = browser.new_context(viewport=DESKTOP)

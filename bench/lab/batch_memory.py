@@ -1,7 +1,7 @@
 """Peak memory of one long prompt among short ones: `python -m bench.lab.batch_memory`.
 
 The huggingface backend left-pads every row of its batch to the longest one
-(engines/continuous_batching.py), so one long prompt widens the KV cache of every row beside it.
+(engines/huggingface/scheduler.py), so one long prompt widens the KV cache of every row beside it.
 This probe submits `--short` short prompts and one prompt of `--long` tokens together (the long
 one in the middle of the queue), greedy, no end of sequence, and records for each batcher:
 
@@ -10,7 +10,7 @@ one in the middle of the queue), greedy, no end of sequence, and records for eac
 - the process's peak resident memory (RSS), and that less the RSS once the model was loaded;
 - the wall time for all requests.
 
-Each batcher runs in its own process (a fresh peak RSS): `engines/continuous_batching.py` as it
+Each batcher runs in its own process (a fresh peak RSS): `engines/huggingface/scheduler.py` as it
 is in the working tree ("now") and as it is at `--before` (a git revision; "before"). Prompts are
 random token ids; the model is the default (SmolLM2-135M-Instruct) in `--dtype`.
 """
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULE = "engines/continuous_batching.py"
+MODULE = "engines/huggingface/scheduler.py"
 
 
 def _rss_mib() -> float:

@@ -1,7 +1,7 @@
 """A long prompt arriving while other requests decode: `python -m bench.lab.chunked_prefill`.
 
 The huggingface backend prefills a long prompt in chunks of `hf_chunked_prefill_size` tokens and
-decodes the running requests between chunks (engines/continuous_batching.py). This probe measures
+decodes the running requests between chunks (engines/huggingface/scheduler.py). This probe measures
 what that buys and costs, in this process (the engine without Ray or HTTP, so only the scheduler
 differs between settings):
 
@@ -107,7 +107,7 @@ async def main(opts: argparse.Namespace) -> None:
     from engines import create_engine
     from engines.config import EngineConfig
     from engines.model_source import ensure_embedded_model
-    from engines.prompt import PromptRenderer
+    from engines.prompt.renderer import PromptRenderer
 
     prompts = json.loads(PROMPTS.read_text())["prompts"]
     model_dir = ensure_embedded_model()

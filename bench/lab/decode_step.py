@@ -11,7 +11,7 @@ prefill is needed.
 For each context length it prints the median step time, tokens/s (rows / step time), the ratio
 to the first length, and the share of the step that torch's profiler puts in attention
 (`scaled_dot_product_attention` and what it calls), matrix products (`linear`, `matmul`) and the
-rest. The model's attention is the engine's (`lmserve_sdpa`, engines/attention.py) unless
+rest. The model's attention is the engine's (`lmserve_sdpa`, engines/huggingface/attention.py) unless
 `--transformers-sdpa`. The model is the default (SmolLM2-135M-Instruct) in `--dtype`.
 """
 
@@ -38,15 +38,15 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from engines.attention import use_gqa_attention
-    from engines.continuous_batching import grow_in_place
+    from engines.huggingface.attention import use_gqa_attention
+    from engines.huggingface.kv_cache import grow_in_place
     from engines.model_source import ensure_embedded_model
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(ensure_embedded_model(), dtype=dtype).eval()
     if not args.transformers_sdpa:
-        use_gqa_attention(model)  # as the engine loads it (engines/huggingface.py)
+        use_gqa_attention(model)  # as the engine loads it (engines/huggingface/engine.py)
     config = model.config
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -31,9 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from deployments.haproxy import HAPROXY_BINARY_ENV, LAUNCHER_NAME, real_haproxy_binary
+from deployments.cluster.haproxy import HAPROXY_BINARY_ENV, LAUNCHER_NAME, real_haproxy_binary
 from deployments.settings import Settings
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 
 ATTACKER = "127.0.0.2"
 

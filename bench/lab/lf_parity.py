@@ -16,7 +16,7 @@ exceptions each server logged (an HTTP 500 carries no message). Servers' logs go
 
 To explain a difference it also renders every prompt on both sides without a server:
 LLaMA-Factory's `encode_oneturn` and `get_stop_token_ids` (run in its venv, as its
-`hf_engine` renders a request) against lmserve's `engines.prompt.PromptRenderer`; the records
+`hf_engine` renders a request) against lmserve's `engines.prompt.renderer.PromptRenderer`; the records
 carry, per template, how many prompts render to the same ids and both sides' stop ids.
 
 The adapter is made offline with `peft` (`make_adapter`): a LoRA of rank 8 on every linear layer
@@ -237,8 +237,8 @@ def llamafactory_prompt_ids(python: Path, model_dir: Path, templates: list[str])
 def lmserve_prompt_ids(model_dir: Path, template: str) -> dict:
     """The same for lmserve's `PromptRenderer` (stop ids: the template's, plus the tokenizer's
     eos that every engine stops on)."""
-    from engines.chat_templates import TemplateError
-    from engines.prompt import PromptRenderer
+    from engines.prompt.templates import TemplateError
+    from engines.prompt.renderer import PromptRenderer
 
     try:
         renderer = PromptRenderer.from_pretrained(model_dir, template=template)
@@ -328,7 +328,7 @@ def serve_and_ask(side: str, config_path: Path, log_dir: Path, opts: argparse.Na
     """Start `side` (`llamafactory` or `lmserve`) on `config_path`, ask every prompt, stop it;
     its log is `<log_dir>/<config name>-<side>.log`. A server that does not start answers every
     prompt with its start-up error."""
-    from engines.server_process import free_port
+    from engines.sglang.server_process import free_port
 
     port = free_port()
     ray_tmp = tempfile.mkdtemp(prefix="lfp-ray-", dir="/tmp")  # lmserve's private Ray cluster, found by path

@@ -8,8 +8,8 @@ its requests round-robin, one at a time, so each variant sees the same machine s
 - `inprocess`: the huggingface engine in this process (no Ray, no HTTP);
 - `lmserve`: `bench.lmserve_server` as `lmserve serve serve_config.yaml` runs it, in Ray Serve's
   high-throughput mode with direct streaming (HAProxy on the HTTP port -> the model replica's own
-  HTTP server, which runs the engine; see deployments.cluster_env.RAY_HIGH_THROUGHPUT_ENV and
-  deployments/direct_streaming.py);
+  HTTP server, which runs the engine; see deployments.cluster.env.RAY_HIGH_THROUGHPUT_ENV and
+  deployments/serve/direct_streaming.py);
 - `lmserve-two-hop`: the same with an ingress deployment in front of the model's (HAProxy -> the
   ingress replica's HTTP server -> gRPC -> model replica), as for several models;
 - or the servers given by `--variant NAME:ENV=VALUE,...` (e.g.
@@ -24,7 +24,7 @@ It prints TTFT and inter-token latency p50/p95 per variant, each server's TTFT p
 in-process one, and the median of the per-round differences (same prompt, sent moments apart)
 with its bootstrap 95 % interval (`bench.metrics.median_ci`: the pairs' spread on 2 shared cores
 is ~30 ms, so a few-ms target takes a couple of hundred rounds; `--max-tokens 2` keeps them short);
-`--out` writes the records as JSON. Prompts are rendered once by `engines.prompt`, as the ingress
+`--out` writes the records as JSON. Prompts are rendered once by `engines.prompt.renderer`, as the ingress
 renders them. The load generator's HTTP client is aiohttp (bench.loadgen); `--clients
 aiohttp,httpx` measures each server with both, in rows of their own. Each server runs its own Ray
 cluster, whose idle processes load the machine for every variant alike: fewer variants, less noise.
@@ -48,7 +48,7 @@ from bench import venvs
 from bench.loadgen import CLIENTS, chat_payload, client_list, open_chat_client, run_level
 from bench.metrics import Chunk, RequestRecord, count_tokens, itl_samples, median_ci, percentile
 from bench.servers import ServerProcess
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 
 MODEL_ID = "smollm2"
 
@@ -109,7 +109,7 @@ async def main(opts: argparse.Namespace) -> None:
     from engines.base import GenerationRequest, SamplingParams
     from engines.config import EngineConfig
     from engines.model_source import ensure_embedded_model
-    from engines.prompt import PromptRenderer
+    from engines.prompt.renderer import PromptRenderer
 
     prompts = json.loads(opts.prompts.read_text())["prompts"]
     model_dir = ensure_embedded_model()

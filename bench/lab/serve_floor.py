@@ -4,7 +4,7 @@ lmserve's target is at most 5 ms of time to first token (TTFT) added by serving 
 (docs/performance.md). This probe measures what the serving framework alone costs on this machine, so lmserve's overhead
 (`python -m bench.lab.overhead`) can be split into the framework's part and lmserve's own.
 
-It starts a private Ray cluster in the mode `lmserve serve` uses (deployments.cluster_env.
+It starts a private Ray cluster in the mode `lmserve serve` uses (deployments.cluster.env.
 RAY_HIGH_THROUGHPUT_ENV: HAProxy -> the ingress replica's own HTTP server -> gRPC -> a second
 replica) and deploys two small deployments in lmserve's layout:
 
@@ -117,8 +117,8 @@ def build_lmserve_app(model_dir: str):
     as lmserve does, so this is what lmserve adds to TTFT outside the model."""
     from ray import serve
 
-    from deployments.direct_streaming import DirectStreamingServer
-    from deployments.model_client import InProcessClient
+    from deployments.serve.direct_streaming import DirectStreamingServer
+    from deployments.serve.model_client import InProcessClient
     from engines import engine_capabilities
     from engines.base import Engine, GenerationDelta, ModelInfo, Usage
 
@@ -184,8 +184,8 @@ def main() -> int:
                              "interleaved with the one-hop floor")
     opts = parser.parse_args()
 
-    from deployments.cluster_env import apply_ray_high_throughput_env, second_cluster_ports_env
-    from engines.server_process import free_port
+    from deployments.cluster.env import apply_ray_high_throughput_env, second_cluster_ports_env
+    from engines.sglang.server_process import free_port
 
     port = free_port()
     apply_ray_high_throughput_env()

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from engines.base import GenerationRequest, SamplingParams
 from engines.config import EngineConfig
-from engines.huggingface import HuggingFaceEngine
+from engines.huggingface.engine import HuggingFaceEngine
 from engines.model_source import ensure_embedded_model
-from engines.prompt import PromptRenderer
-from engines.sglang import SGLangEngine
+from engines.prompt.renderer import PromptRenderer
+from engines.sglang.engine import SGLangEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 
 PROMPTS = ["Tell me about lighthouses.", "Describe a storm at sea.", "Write a short poem about rain.",
            "Explain how a bicycle works.", "What do cats like to eat?", "Describe a busy market."]
@@ -134,7 +134,7 @@ applications:
         - model_id: smollm2
           deployment: {{num_replicas: 1, ray_actor_options: {{num_cpus: 2}}}}
 """)
-    lmserve = [sys.executable, "-m", "deployments.cli", "serve", str(config)]
+    lmserve = [sys.executable, "-m", "deployments.cli.main", "serve", str(config)]
     proc = subprocess.Popen(lmserve, stdout=open(workdir / "server.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = base + "/v1/chat/completions"

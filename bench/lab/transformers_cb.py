@@ -1,12 +1,12 @@
 """transformers' own continuous batching against lmserve's batcher: `python -m bench.lab.transformers_cb`.
 
 Issue 25 (an honest memory bound for the huggingface backend) asks, before choosing between
-keeping lmserve's batcher (`engines.continuous_batching.ContinuousBatcher`: left-padded rows, a
+keeping lmserve's batcher (`engines.huggingface.scheduler.ContinuousBatcher`: left-padded rows, a
 `DynamicCache`) and adopting transformers' `ContinuousBatchingManager` (paged KV cache, ragged
 batches without padding, `model.init_continuous_batching`), to measure both here and to check the
 requirements the engine contract puts on a batcher. This probe does both, in one process:
 
-- `lmserve`: the huggingface engine (`engines.huggingface`, hence `ContinuousBatcher` with the
+- `lmserve`: the huggingface engine (`engines.huggingface.engine`, hence `ContinuousBatcher` with the
   engine's defaults), driven through `Engine.generate` as `bench.inprocess` drives it; its column
   includes the engine's output path on the event loop (detokenization, stop checks: a few ms per
   128-token request), which transformers' manager does not have (it returns token ids);
@@ -17,7 +17,7 @@ requirements the engine contract puts on a batcher. This probe does both, in one
   and `num_blocks` covers the largest level (on CPU the manager would otherwise size its KV cache
   from 90 % of the machine's free RAM).
 
-Both get the prompts of `bench/prompts.json`, rendered by `engines.prompt` as the ingress renders
+Both get the prompts of `bench/prompts.json`, rendered by `engines.prompt.renderer` as the ingress renders
 them, greedy, `--max-tokens` new tokens without end of sequence, at each level of `--levels`
 concurrent streams (closed loop, `bench.loadgen.run_level`, `--requests-per-stream` requests per
 stream). The two alternate level by level and round by round (the order flipped every round), so
@@ -343,7 +343,7 @@ async def main_async(opts: argparse.Namespace) -> dict:
 
     from engines.config import EngineConfig
     from engines.model_source import ensure_embedded_model
-    from engines.prompt import PromptRenderer
+    from engines.prompt.renderer import PromptRenderer
 
     model_dir = Path(opts.model_dir) if opts.model_dir else ensure_embedded_model()
     renderer = PromptRenderer.from_pretrained(str(model_dir))

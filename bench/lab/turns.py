@@ -38,7 +38,7 @@ from bench.loadgen import add_client_argument, http_level
 from bench.metrics import LevelResult, count_tokens, summarize
 from bench.servers import ServerProcess, StartError
 from bench.targets import MODEL_ID, Settings, UnavailableError, server_spec
-from engines.server_process import free_port
+from engines.sglang.server_process import free_port
 
 HTTP_TARGETS = ("lmserve-hf", "lmserve-vllm", "vllm-serve", "llamafactory")
 SETTLE_S = 2.0  # after thawing a target: its timers catch up, then it must answer, before the level

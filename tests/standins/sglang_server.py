@@ -61,7 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engines.base import GenerationRequest, SamplingParams as EngineSamplingParams
 from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ServingError
-from engines.huggingface import HuggingFaceEngine
+from engines.huggingface.engine import HuggingFaceEngine
 from sglang_metrics import ServerMetrics
 
 log = logging.getLogger("sglang.standin")

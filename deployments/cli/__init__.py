@@ -1,0 +1,1 @@
+"""The `lmserve` command: serve, api, chat, batch, check, download (`main.main` is the entry point)."""

@@ -1,0 +1,219 @@
+"""`OpenAIIngress`: the OpenAI-compatible HTTP front of lmserve (FastAPI through `serve.ingress`).
+
+Per request: parse and validate (deployments/openai/protocol.py) -> check the API key
+(deployments/openai/middleware.py) -> resolve the model ID (deployments/serve/router.py) -> render the prompt
+once and stream deltas from the model (deployments/openai/serving_chat.py, serving_completion.py;
+reward scores: serving_score.py) -> OpenAI JSON or SSE chunks (deployments/openai/sse.py); errors
+become OpenAI's error body in one place (deployments/openai/errors.py). The ingress sees each
+request's whole life, so it records lmserve's Prometheus metrics (deployments/metrics.py). The
+class is plain; `deployments.app.build_app` wraps it with `serve.ingress()` and
+`serve.deployment`. Its FastAPI app is built per replica by `create_app`, after the constructor
+(Ray Serve's `__serve_build_asgi_app__` hook), so HTTP settings (CORS, body size limit) come
+from the application's args.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.serve.drain import watch_for_stop
+from deployments.openai.errors import to_error_response
+from deployments.metrics import ingress_metrics
+from deployments.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from deployments.serve.model_client import InProcessClient, ReplicaClient
+from deployments.serve.model_server import send_package_logs_to_replica_log
+from deployments.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationDefaults,
+    ModelCard,
+    ModelList,
+    ScoreEvaluationRequest,
+)
+from deployments.serve.router import ModelEntry, ModelRouter
+from deployments.openai.serving_chat import ChatServing
+from deployments.openai.serving_completion import CompletionServing
+from deployments.openai.serving_score import ScoreServing
+from deployments.settings import IngressSettings
+from deployments.openai.webchat_assets import PAGE_HEADERS, WebChatFiles
+from engines.base import SamplingParams, with_config_defaults
+from engines.config import EngineConfig
+from engines.errors import ServingError
+from engines.prompt.media import ImageLoader
+from engines.model_source import resolve_tokenizer_path
+from engines.prompt.renderer import PromptRenderer
+
+logger = logging.getLogger("ray.serve")
+
+_WEBCHAT = WebChatFiles()
+
+
+async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
+    status, body = to_error_response(exc)
+    if status >= 500 and isinstance(exc, ServingError):  # the unexpected ones: logged with a traceback
+        logger.warning("%s %s: %d %s", request.method, request.url.path, status, body.error.message)
+    # labelled by the model once the handler has resolved it (`router.label_request`)
+    ingress_metrics().count_error(status, *getattr(request.state, "metric_labels", ("", "")))
+    headers = {"retry-after": str(exc.retry_after)} if getattr(exc, "retry_after", None) else {}
+    if isinstance(exc, StarletteHTTPException) and exc.headers:  # e.g. a 405's `Allow` (RFC 9110)
+        headers = {**exc.headers, **headers}
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers or None)
+
+
+# routes that need no API key: the liveness probe, the web chat page and its files (its API calls
+# send one), and FastAPI's API docs (`create_app` adds them)
+PUBLIC_PATHS = frozenset({"/health", "/", *_WEBCHAT.assets})
+
+
+def _asset_route(path: str):
+    """The handler of the web chat file at `path` (one of `_WEBCHAT.assets`)."""
+    asset = _WEBCHAT.assets[path]
+
+    async def webchat_asset(v: str | None = None) -> Response:
+        return Response(asset.body, media_type=asset.content_type,
+                        headers={"cache-control": _WEBCHAT.cache_control(path, v), "x-content-type-options": "nosniff"})
+
+    return webchat_asset
+
+
+def model_card(entry: ModelEntry) -> ModelCard:
+    """The `/v1/models` entry of `entry`: vLLM's fields, and lmserve's `input_modalities` (images
+    where both the model's processor and its backend take them, as `ChatServing.render_prompt`
+    checks) and `generation_defaults` (what a request that sets no sampling field gets,
+    `engines.base.prepare_generation`), which the web chat starts from."""
+    cfg = entry.config
+    takes_images = entry.renderer is not None and entry.renderer.accepts_images and entry.capabilities.images
+    defaults = None
+    if not cfg.is_reward_model:
+        params = with_config_defaults(SamplingParams(), cfg)
+        defaults = GenerationDefaults(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                      max_tokens=cfg.max_new_tokens, repetition_penalty=params.repetition_penalty)
+    return ModelCard(id=entry.model_id, root=entry.root, parent=entry.parent,
+                     input_modalities=["text", "image"] if takes_images else ["text"], generation_defaults=defaults)
+
+
+def create_app(ingress: "OpenAIIngress") -> FastAPI:
+    """The FastAPI app of one ingress replica: routes bound to `ingress`, OpenAI-shaped errors,
+    a request body size limit (413) and CORS for the configured origins only."""
+    app = FastAPI(title="lmserve", description="OpenAI-compatible API for models served on Ray Serve")
+    # Ray Serve adds its own plain-text handlers for `BackPressureError` and
+    # `DeploymentUnavailableError` to this app after it is built, so the router turns those into
+    # `ServingError`s (OVERLOADED, UNAVAILABLE) where they arise.
+    # The expected errors are answered by Starlette's ExceptionMiddleware and end there. A handler
+    # for `Exception` runs in its ServerErrorMiddleware, which answers and then re-raises, so Ray
+    # Serve logs "Request failed." with a traceback: right for an unexpected error, noise for a
+    # 4xx (`_error_handler` logs the expected 5xx in one line).
+    for exc_type in (RequestValidationError, StarletteHTTPException, ServingError, Exception):
+        app.add_exception_handler(exc_type, _error_handler)
+    app.get("/", response_class=HTMLResponse, include_in_schema=False)(ingress.webchat)
+    for path in _WEBCHAT.assets:
+        app.get(path, include_in_schema=False)(_asset_route(path))
+    app.get("/health")(ingress.health)
+    app.get("/v1/models")(ingress.list_models)
+    app.get("/v1/models/{model_id:path}")(ingress.get_model)
+    app.post("/v1/chat/completions")(ingress.chat_completions)
+    app.post("/v1/completions")(ingress.completions)
+    app.post("/v1/score/evaluation")(ingress.score_evaluation)
+    settings = ingress.settings
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    # outside the size limit and the routes: a request without a key gets 401 whatever its body
+    docs = {app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url} - {None}
+    app.add_middleware(APIKeyMiddleware, api_keys=ingress.api_keys, public_paths=PUBLIC_PATHS | docs,
+                       on_reject=lambda: ingress_metrics().count_error(401, "", ""))
+    if settings.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-request-id"])
+    return app
+
+
+class OpenAIIngress:
+    """Routes OpenAI requests by `model` to each model's `ModelServer` deployment.
+
+    Args:
+        models: model ID -> engine config mapping (the `EngineConfig` fields).
+        handles: model ID -> `DeploymentHandle` of that model's `ModelServer`.
+        settings: HTTP settings (`IngressSettings` fields): API keys, CORS, limits, deadline.
+    """
+
+    async def __init__(self, models: dict[str, dict], handles: dict[str, Any], settings: dict | None = None):
+        send_package_logs_to_replica_log()
+        await self._setup(models, {mid: ReplicaClient(handle) for mid, handle in handles.items()}, settings)
+        self.watch_for_stop()
+
+    def watch_for_stop(self) -> None:
+        """In a Ray Serve replica: drain when the controller starts to stop it, so its streams end
+        with an error event and `[DONE]` before it is killed (deployments/serve/drain.py)."""
+        self._drain_watcher = asyncio.create_task(watch_for_stop(self.router), name="lmserve-drain-watcher")
+
+    async def _setup(self, models: dict[str, dict], clients: dict[str, ReplicaClient | InProcessClient],
+                     settings: dict | None, max_requests: int | None = None,
+                     backpressure_config: dict | None = None) -> None:
+        """Set the replica up; `max_requests` (None = no limit) bounds the generations this
+        replica runs at once, and one more is refused with OVERLOADED (status and `Retry-After`
+        from Ray Serve's `backpressure_config` fields `status_code`, `retry_after_s`)."""
+        self.settings = IngressSettings.model_validate(settings or {})
+        self.models = {mid: ModelEntry(mid, EngineConfig.from_dict(cfg), clients[mid]) for mid, cfg in models.items()}
+        self.api_keys = [k.encode() for k in self.settings.resolve_api_keys()]
+        # One model at a time: transformers' lazy imports are not thread-safe on first use (two
+        # renderers loading at once in a fresh process fail with "cannot import name 'AutoTokenizer'").
+        for entry in self.models.values():
+            await self._load_renderer(entry)
+        for entry in list(self.models.values()):
+            for variant in entry.variants():  # its adapters alone, its base model (router.served_model_ids)
+                self.models[variant.model_id] = variant
+        self.metrics = ingress_metrics()
+        self.metrics.add_models({mid: e.config.infer_backend for mid, e in self.models.items()})
+        self.router = ModelRouter(self.models, self.settings.request_timeout_s, self.metrics,
+                                  max_requests=max_requests, backpressure_config=backpressure_config,
+                                  queue_timeout_s=self.settings.queue_timeout_s or None)
+        self.serving_chat = ChatServing(self.router, self.settings, ImageLoader(self.settings.media))
+        self.serving_completion = CompletionServing(self.router, self.settings)
+        self.serving_score = ScoreServing(self.router, self.settings)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self)
+
+    @staticmethod
+    async def _load_renderer(entry: ModelEntry) -> None:
+        cfg = entry.config
+        # Tokenizer, template and processor files only: the ingress never loads the weights.
+        path = await asyncio.to_thread(resolve_tokenizer_path, cfg.model_name_or_path)
+        entry.renderer = await asyncio.to_thread(PromptRenderer.for_config, path, cfg)
+
+    # ---- routes --------------------------------------------------------------------------
+
+    async def webchat(self) -> HTMLResponse:
+        """The web chat page (deployments/openai/webchat/; its files are served under `/webchat/`).
+        The page needs no API key; its API calls send the one typed into it. Its
+        Content-Security-Policy allows this server only."""
+        return HTMLResponse(_WEBCHAT.page, headers=PAGE_HEADERS)
+
+    async def health(self) -> dict[str, str]:
+        """Liveness of the ingress; needs no API key."""
+        return {"status": "ok"}
+
+    async def list_models(self, request: Request) -> ModelList:
+        """Every model ID served (`model_card`)."""
+        return ModelList(data=[model_card(e) for e in self.models.values()])
+
+    async def get_model(self, model_id: str, request: Request) -> ModelCard:
+        entry = self.router.resolve(model_id)
+        return model_card(entry)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        return await self.serving_chat.create_chat_completion(body, request)
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        return await self.serving_completion.create_completion(body, request)
+
+    async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> Response:
+        """Reward scores for `body.messages` (LLaMA-Factory's `/v1/score/evaluation`)."""
+        return await self.serving_score.score_evaluation(body, request)

@@ -1,0 +1,541 @@
+"""OpenAI API schema: one pydantic model per request and response type, engine-neutral.
+
+Field names follow OpenAI's API (https://platform.openai.com/docs/api-reference/chat) plus the
+sampling extras vLLM's OpenAI server accepts (`top_k`, `min_p`, `repetition_penalty`,
+`stop_token_ids`, `ignore_eos`, `skip_special_tokens`). Unknown fields are accepted and logged,
+as vLLM does, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Annotated, Any, Literal
+
+from openai.types import Completion, Model
+from openai.types import CompletionChoice as OpenAICompletionChoice
+from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
+from openai.types.chat.chat_completion import Choice as OpenAIChatChoice
+from openai.types.chat.chat_completion_chunk import Choice as OpenAIChunkChoice
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from engines.base import SamplingParams, StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 16
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each `logit_bias` value, either sign
+
+# (request type, field name) pairs already reported: each unknown field is logged once per
+# process, not on every request that carries it.
+_LOGGED_UNKNOWN: set[tuple[str, str]] = set()
+
+
+# vLLM's bounds on `seed` (torch's int64): a larger one cannot seed a generator.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_JSON_DEPTH = 64  # nesting of a request's JSON values (a JSON schema, tool parameters) lmserve walks
+
+
+def _check_text_and_depth(data: Any) -> None:
+    """Refuse a request body holding a string that is not valid Unicode text (a lone surrogate,
+    which JSON's `\\ud800` escape allows and no tokenizer can encode) or JSON nested deeper than
+    `MAX_JSON_DEPTH`, naming the field where it sits (OpenAI's `param`)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        where = where if len(where) <= 80 else where[:77] + "..."
+        if depth > MAX_JSON_DEPTH:
+            raise field_error(where.split(".")[0].split("[")[0], f"{where}: nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise field_error(where.split(".")[0].split("[")[0],
+                                  f"{where}: not valid Unicode text (a lone surrogate)") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    stack.append((key, where or key, depth + 1))
+                stack.append((item, f"{where}.{key}" if where else str(key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        """An explicit `null` for an optional field means "not set", as OpenAI's API and vLLM
+        read it (`{"n": null}` is `n: 1`); text that is not Unicode, or nesting too deep, is refused."""
+        if not isinstance(data, dict):
+            return data
+        _check_text_and_depth(data)
+        return _drop_nulls(cls, data)
+
+    @model_validator(mode="after")
+    def _log_unknown(self) -> "OpenAIBaseModel":
+        kind = type(self).__name__
+        new = sorted(name for name in self.model_extra or {} if (kind, name) not in _LOGGED_UNKNOWN)
+        if new:
+            _LOGGED_UNKNOWN.update((kind, name) for name in new)
+            logger.info("%s: ignoring unknown fields %s (logged once per field name)", kind, new)
+        return self
+
+
+def _drop_nulls(model: type[BaseModel], data: dict) -> dict:
+    """`data` without the `null`s of fields that have a default (they take the default)."""
+    defaults = {name for name, f in model.model_fields.items() if not f.is_required()}
+    defaults |= {f.alias for name, f in model.model_fields.items() if f.alias and name in defaults}
+    return {k: v for k, v in data.items() if not (v is None and k in defaults)}
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data) if isinstance(data, dict) else data
+
+
+def field_error(param: str, message: str) -> PydanticCustomError:
+    """The error of a check across fields, naming the field to blame: the ingress reports
+    `param` as OpenAI's `param` (`deployments.openai.errors.describe_validation_error`), where a plain
+    `ValueError` from a model validator would name none. `message` must not contain braces."""
+    return PydanticCustomError("invalid_field", message, {"param": param})
+
+
+MIN_LOGPROB = -9999.0  # vLLM's server clamps -inf to it: JSON has no infinity
+
+
+def clamp_logprob(logprob: float) -> float:
+    """A log-probability JSON can carry: -inf (and NaN) become `MIN_LOGPROB`, as vLLM's server
+    reports them."""
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+
+class TextContentPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ContentPart(StrictModel):
+    type: str
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart | ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role!r} message needs `content`")
+        return self
+
+
+class FunctionDefinition(StrictModel):
+    """A tool's function, as OpenAI's API and vLLM take it: `name` is required."""
+
+    name: str = Field(..., min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionTool(StrictModel):
+    """One entry of `tools` (vLLM's `ChatCompletionToolsParam`: `type` defaults to "function")."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str = Field(..., min_length=1)
+
+
+class NamedToolChoice(StrictModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: force that function."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(StrictModel):
+    """`response_format.json_schema`: OpenAI's (and vLLM's `JsonSchemaResponseFormat`) fields;
+    `schema` is a JSON Schema, checked with `jsonschema` against its own metaschema."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (any JSON object) or
+    `json_schema` (output validates against `json_schema.schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> "ResponseFormat":
+        if self.type != "json_schema":
+            return self
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("type 'json_schema' needs `json_schema: {name, schema}`")
+        import jsonschema
+
+        schema = self.json_schema.schema_
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise ValueError(f"json_schema.schema is not a valid JSON Schema: {exc.message}") from None
+        except RecursionError:
+            raise ValueError("json_schema.schema is nested too deep to check") from None
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The engine's constraint: None for `text`."""
+        if self.type == "text":
+            return None
+        return StructuredOutput(json_schema=self.json_schema.schema_ if self.type == "json_schema" else None)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Sampling fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    user: str | None = None
+    logit_bias: dict[int, float] | None = None
+    # vLLM extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        values = [value] if isinstance(value, str) else value or []
+        if any(not s for s in values):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> dict[int, float] | None:
+        """OpenAI's `logit_bias`: a JSON object from token id (a string of decimal digits, as
+        JSON keys are strings; int keys from Python callers) to a bias in [-100, 100]. One error
+        on `logit_bias` naming the first bad entry (not pydantic's one per key). Token ids are
+        checked against the model's vocabulary later, by the engine (`prepare_generation`)."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("must be an object mapping token ids to biases, e.g. {\"50256\": -100}")
+        out: dict[int, float] = {}
+        for key, bias in value.items():
+            # at most 20 digits (any 64-bit id): far longer keys are no token id, and Python's
+            # `int` refuses strings of over 4300 digits anyway
+            if isinstance(key, str) and re.fullmatch(r"[0-9]{1,20}", key):
+                token_id = int(key)
+            elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+                token_id = key
+            else:
+                raise ValueError(f"key {repr(key)[:40]} is not a token id (a non-negative integer)")
+            # the range test also refuses NaN and infinities (any comparison with NaN is false)
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                    or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {token_id} must be a number from -100 to 100, "
+                                 f"got {repr(bias)[:40]}")
+            out[token_id] = float(bias)
+        return out
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise field_error("stream_options", "only allowed when `stream` is true")
+        return self
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Sampling params for the engine; unset values stay None for the model's defaults."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=self.effective_max_tokens(),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=None if self.top_k is None else (0 if self.top_k == -1 else self.top_k),
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            seed=self.seed,
+            logprobs=self.num_logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+            structured_output=self.structured_output(),
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+        )
+
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; k: the chosen token's log-probability plus the top k."""
+        return None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The JSON constraint asked for by `response_format`, if any."""
+        return None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def structured_output(self) -> StructuredOutput | None:
+        return self.response_format.structured_output() if self.response_format else None
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _one_response_format_error(cls, value: Any) -> Any:
+        """Report any problem inside `response_format` as one error on `response_format`
+        (OpenAI's `param`), its message naming the inner field."""
+        if value is None or isinstance(value, ResponseFormat):
+            return value
+        try:
+            return ResponseFormat.model_validate(value)
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                where = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+                msg = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{where}: {msg}" if where else msg)
+            raise ValueError("; ".join(problems)) from None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise field_error("top_logprobs", "needs `logprobs: true`")
+        return self
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_tool_choice_error(cls, value: Any) -> Any:
+        """One error on `tool_choice` naming what it takes (not pydantic's one per union member)."""
+        if value is None or value in ("none", "auto", "required") or isinstance(value, NamedToolChoice):
+            return value
+        if isinstance(value, dict):
+            try:
+                return NamedToolChoice.model_validate(value)
+            except ValidationError:
+                pass
+        raise ValueError("must be 'none', 'auto', 'required' or "
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}, got " + repr(value)[:80])
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """`tools` as the chat template takes them (OpenAI's JSON, unknown fields kept)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    @property
+    def tools_enabled(self) -> bool:
+        """Tools are rendered into the prompt and parsed out of the output."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> "ChatCompletionRequest":
+        # vLLM (`check_tool_usage`) and OpenAI's API refuse any tool_choice but "none" without tools
+        if self.tool_choice not in (None, "none") and self.tools is None:
+            raise field_error("tool_choice", "only allowed when `tools` are given")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions` (legacy text completions)."""
+
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if value == "" or value == []:
+            raise ValueError("prompt must not be empty")
+        return value
+
+
+class ScoreEvaluationRequest(OpenAIBaseModel):
+    """`POST /v1/score/evaluation` (LLaMA-Factory's `ScoreEvaluationRequest`, `api/protocol.py`):
+    texts to score with a reward model, each taken as it is (no chat template); `max_length`
+    truncates each to that many tokens. lmserve also accepts a missing `model` when one model
+    is served, and refuses empty texts by index."""
+
+    model: str | None = None
+    messages: list[Annotated[str, Field(min_length=1)]] = Field(..., min_length=1)
+    max_length: int | None = Field(None, ge=1)
+
+
+# ---- responses -----------------------------------------------------------------------------
+# Built on the `openai` package's types, widened where lmserve answers as vLLM does: a finish
+# reason is one of OpenAI's (`FinishReason`; an engine that drops a request raises an error
+# instead) and may be null in any chunk, and `stop_reason` names the stop string or token id
+# that ended a choice. Responses are serialized with `model_dump_json(exclude_unset=True)`: a
+# field is sent when the builder sets it, so a chunk carries `"finish_reason": null` and
+# `"logprobs": null` as OpenAI's API sends them, and no `"tool_calls": null` or
+# `"system_fingerprint": null`. Builders set `object`.
+
+
+class GenerationDefaults(BaseModel):
+    """What a chat or completion request that leaves these fields unset is sampled with, from
+    the model's config (LLaMA-Factory's generating arguments): `temperature` is 0 when the config
+    says `do_sample: false`; `max_tokens` is `max_new_tokens`, cut to the context left after the
+    prompt. OpenAI's and vLLM's request field names."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    repetition_penalty: float
+
+
+class ModelCard(Model):
+    """An entry of `GET /v1/models`; `root` is the weights' path or hub ID (the adapter's for a
+    LoRA adapter), `parent` the base model ID of an adapter (vLLM's fields). lmserve adds
+    `input_modalities` (`["text"]`, or `["text", "image"]` where the model and its backend take
+    `image_url` parts) and `generation_defaults` (None for a reward model, which does not
+    generate), which the web chat starts from."""
+
+    created: int = Field(default_factory=lambda: int(time.time()))
+    object: Literal["model"] = "model"
+    owned_by: str = "lmserve"
+    root: str | None = None
+    parent: str | None = None
+    input_modalities: list[Literal["text", "image"]] = Field(default_factory=lambda: ["text"])
+    generation_defaults: GenerationDefaults | None = None
+    shutdown_date: str | None = Field(None, exclude=True)  # OpenAI's, for models it retires
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+
+
+class ChatCompletionChoice(OpenAIChatChoice):
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(ChatCompletion):
+    choices: list[ChatCompletionChoice]
+
+
+class ChatCompletionChunkChoice(OpenAIChunkChoice):
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(OpenAIChatCompletionChunk):
+    choices: list[ChatCompletionChunkChoice]
+
+
+class CompletionChoice(OpenAICompletionChoice):
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(Completion):
+    """A completion, or one chunk of a streamed completion (OpenAI's API uses this one shape for
+    both)."""
+
+    choices: list[CompletionChoice]
+
+
+class ScoreEvaluationResponse(BaseModel):
+    """LLaMA-Factory's `ScoreEvaluationResponse`: one float per text of the request, in order."""
+
+    id: str
+    object: Literal["score.evaluation"] = "score.evaluation"
+    model: str
+    scores: list[float]

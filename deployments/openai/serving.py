@@ -1,0 +1,80 @@
+"""What chat and completion serving share (vLLM's `OpenAIServing`): the router to the models,
+the HTTP settings, request IDs, usage, and the JSON and SSE responses with lmserve's headers."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from functools import partial
+from typing import AsyncGenerator, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from openai.types import CompletionUsage
+from pydantic import BaseModel
+
+from deployments.serve.router import ModelEntry, ModelRouter
+from deployments.settings import IngressSettings
+from deployments.openai.sse import response_headers, sse_response
+from engines.base import GenerationDelta, Usage
+
+logger = logging.getLogger("ray.serve")
+
+
+class OpenAIServing:
+    """The base of a route's serving class.
+
+    Args:
+        router: the models of this ingress replica and the streams to them.
+        settings: HTTP settings (prompt logging, limits, deadline).
+    """
+
+    def __init__(self, router: ModelRouter, settings: IngressSettings):
+        self.router = router
+        self.settings = settings
+        self._context_lengths: dict[str, int] = {}  # configured model ID -> tokens
+
+    async def context_length(self, entry: ModelEntry) -> int | None:
+        """The context length of `entry`'s model (tokens, `ModelInfo.max_model_len`), asked of
+        the model once and kept; None when the model cannot be asked now (the request then
+        goes on, and the engine checks the length itself)."""
+        model_id = entry.parent or entry.model_id
+        if model_id not in self._context_lengths:
+            try:
+                info = await entry.client.model_info()
+            except Exception as exc:  # noqa: BLE001 - a replica that is not up: the engine checks instead
+                logger.warning("context length of %r unknown (%s: %s): long prompts are tokenized before the "
+                               "check", model_id, type(exc).__name__, exc)
+                return None
+            self._context_lengths[model_id] = info.max_model_len
+        return self._context_lengths[model_id]
+
+    @staticmethod
+    def request_id(request: Request, prefix: str) -> str:
+        """`<prefix>-<x-request-id>`: Ray Serve's proxy sets x-request-id (from the client's
+        header when it sent one); a random hex ID where nothing set it."""
+        return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+
+    def sse_response(self, entry: ModelEntry, chunks: AsyncIterator[str],
+                     generation: AsyncGenerator[GenerationDelta, None]) -> StreamingResponse:
+        """`chunks` as an SSE response; an error raised while streaming is counted for `entry`;
+        `generation` (the router's stream that `chunks` reads) is closed when the response ends,
+        or once the client has read nothing for `settings.client_read_timeout_s`."""
+        return sse_response(chunks, partial(self.router.metrics.count_error, model_id=entry.model_id,
+                                            backend=entry.config.infer_backend), entry.capabilities.backend,
+                            generation, self.settings.client_read_timeout_s)
+
+
+def usage_info(usage: Usage | None) -> CompletionUsage:
+    """OpenAI's `usage` of an engine's `Usage` (zeros when the engine reported none)."""
+    if usage is None:
+        return CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+    return CompletionUsage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                           total_tokens=usage.total_tokens)
+
+
+def json_response(model: BaseModel, backend: str) -> Response:
+    """A response model as JSON (the fields its builder set: deployments/openai/protocol.py), with the
+    headers of every generation response."""
+    return Response(model.model_dump_json(exclude_unset=True), media_type="application/json",
+                    headers=response_headers(backend))

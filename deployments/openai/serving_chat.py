@@ -1,0 +1,218 @@
+"""`POST /v1/chat/completions`: chat request -> prompt token ids -> generation -> a chat
+completion, or its chunks as server-sent events (vLLM's `serving_chat.py`).
+
+The prompt is rendered once, here, with the model's chat template (engines/prompt/renderer.py), so every
+backend sees the same token ids. Tool calls in the model's text become OpenAI `tool_calls`
+(engines/prompt/tool_calls.py), whole or streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletionMessage
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+
+from deployments.serve import deployment_defaults as constants
+from deployments.openai.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    clamp_logprob,
+)
+from deployments.serve.router import ModelEntry, ModelRouter, check_capabilities, label_request
+from deployments.openai.serving import OpenAIServing, json_response, usage_info
+from deployments.settings import IngressSettings
+from deployments.openai.sse import sse_event
+from engines.prompt.tool_calls import ToolCallParser, ToolCallStreamer, parse_tool_calls, parser_for
+from engines.base import GenerationDelta, GenerationRequest, MediaInput, TokenLogprob
+from engines.errors import ServingError
+from engines.prompt.media import ImageLoader, image_parts
+
+logger = logging.getLogger("ray.serve")
+
+
+class ChatServing(OpenAIServing):
+    """Serves chat completions.
+
+    Args:
+        router: the models of this ingress replica and the streams to them.
+        settings: HTTP settings (`media` limits the images a request may carry).
+        image_loader: loads `image_url` parts under those limits.
+    """
+
+    def __init__(self, router: ModelRouter, settings: IngressSettings, image_loader: ImageLoader):
+        super().__init__(router, settings)
+        self.image_loader = image_loader
+
+    async def create_chat_completion(self, body: ChatCompletionRequest,
+                                     request: Request) -> Response | StreamingResponse:
+        """The chat completion of `body`: JSON, or SSE chunks when `body.stream`.
+
+        Raises:
+            ServingError: before any output (unknown model, a capability the backend lacks, a
+                prompt too long, ...); once streaming, errors are sent as an error event.
+        """
+        arrival = time.monotonic()
+        entry = self.router.resolve(body.model)
+        label_request(request, entry)
+        check_capabilities(entry, body)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        prompt_ids, media = await self.render_prompt(entry, body, messages)
+        request_id = self.request_id(request, "chatcmpl")
+        if self.settings.log_prompts:
+            logger.info("%s messages=%r", request_id, messages)
+        params = entry.renderer.with_stop_token_ids(body.to_sampling_params())
+        gen_request = GenerationRequest(request_id, prompt_ids, params, lora_name=entry.lora_name, media=media)
+        created = int(time.time())
+        if body.stream:
+            first, stream = await self.router.start_stream(entry, gen_request, self.router.deadline(), arrival)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
+                                 parse_tools=body.tools_enabled, tool_parser=parser_for(entry.renderer.template))
+            return self.sse_response(entry, chunks, stream)
+        full = await self.router.generate_full(entry, gen_request, body.n, arrival)
+        if self.settings.log_prompts:
+            logger.info("%s completions=%r", request_id, full.texts)
+        choices = []
+        for i in range(body.n):
+            parse = parser_for(entry.renderer.template) or parse_tool_calls
+            content, calls = parse(full.texts[i]) if body.tools_enabled else (full.texts[i], [])
+            tool_calls = {"tool_calls": [c.to_openai() for c in calls]} if calls else {}  # no `"tool_calls": null`
+            message = ChatCompletionMessage(role="assistant", content=content, **tool_calls)
+            choices.append(ChatCompletionChoice(
+                index=i, message=message, logprobs=chat_logprobs(full.logprobs[i]),
+                finish_reason="tool_calls" if calls else full.finish_reasons[i], stop_reason=full.stop_reasons[i]))
+        return json_response(ChatCompletionResponse(
+            id=request_id, object="chat.completion", created=created, model=entry.model_id,
+            usage=usage_info(full.usage), choices=choices), entry.capabilities.backend)
+
+    async def render_prompt(self, entry: ModelEntry, body: ChatCompletionRequest,
+                            messages: list[dict]) -> tuple[list[int], MediaInput | None]:
+        """Prompt token ids of a chat request and, when it has `image_url` parts, its loaded
+        images (engines/prompt/media.py: sources and limits from `settings.media`).
+
+        A short text-only prompt is rendered in the event loop: a thread hand-off costs more
+        than the template; a long one, tools or images go to a thread, so that other streams go
+        on while it is tokenized, and there a prompt that cannot fit the model's context is
+        refused before it is tokenized (`PromptRenderer.check_prompt_chars`).
+
+        Raises:
+            ServingError: NOT_SUPPORTED for images on a text-only model (naming it) or on a
+                backend without image support (naming the backend); INVALID_REQUEST for an
+                image that is not allowed, too large, or unreadable; CONTEXT_LENGTH_EXCEEDED.
+        """
+        tools = body.tool_dicts() if body.tools_enabled else None
+        kwargs = body.chat_template_kwargs or {}
+        parts = image_parts(messages)
+        if not parts:
+            if not tools and _text_chars(messages) <= constants.INLINE_RENDER_MAX_CHARS:
+                return entry.renderer.render_chat(messages, tools=tools, **kwargs), None
+            context_length = await self.context_length(entry)
+            ids = await asyncio.to_thread(entry.renderer.render_chat, messages, tools=tools,
+                                          context_length=context_length, **kwargs)
+            return ids, None
+        if not entry.renderer.accepts_images:
+            raise ServingError.not_supported(f"model {entry.model_id!r} does not accept images (it is not a "
+                                             "vision-language model); send text only", param="messages")
+        if not entry.capabilities.images:
+            raise ServingError.not_supported(f"images are not supported by the {entry.capabilities.backend} backend",
+                                             param="messages")
+        images = await self.image_loader.load(parts)
+        context_length = await self.context_length(entry)
+        return await asyncio.to_thread(entry.renderer.render_chat_with_images, messages, images, tools=tools,
+                                       context_length=context_length, **kwargs)
+
+
+async def chat_chunks(request_id: str, created: int, model: str, n: int, first: list[GenerationDelta],
+                      stream: AsyncIterator[GenerationDelta], include_usage: bool,
+                      parse_tools: bool = False, tool_parser: ToolCallParser | None = None) -> AsyncIterator[str]:
+    """The SSE events of a streamed chat completion: a role chunk per choice, a chunk per delta
+    with text, logprobs or a finish reason (a tool call, once complete, as one chunk with
+    `finish_reason: "tool_calls"`), and the usage chunk last when `include_usage`.
+
+    Args:
+        first: the deltas already here when the response starts (`ModelRouter.start_stream`).
+        stream: the rest.
+    Yields:
+        One or more SSE events per string; the first string holds the role chunk and `first`'s.
+    """
+    # with `include_usage`, every chunk carries `usage` (null until the last), as OpenAI's API sends it
+    def chunk(choices: list[ChatCompletionChunkChoice], usage: CompletionUsage | None = None) -> str:
+        c = ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created, model=model,
+                                choices=choices, **({"usage": usage} if include_usage else {}))
+        return sse_event(c.model_dump_json(exclude_unset=True))
+
+    def choice(index: int, delta: ChoiceDelta, logprobs: dict | None = None, finish_reason: str | None = None,
+               stop_reason: str | int | None = None) -> ChatCompletionChunkChoice:
+        # every field set, so a null is sent (OpenAI's API sends `logprobs` and `finish_reason` as null)
+        return ChatCompletionChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                         stop_reason=stop_reason)
+
+    usage = None
+    streamers = [ToolCallStreamer(tool_parser) for _ in range(n)] if parse_tools else None
+
+    def render(delta: GenerationDelta) -> list[str]:
+        nonlocal usage
+        usage = delta.usage or usage
+        text, finish, calls = delta.text, delta.finish_reason, []
+        if streamers is not None:
+            text = streamers[delta.index].feed(text)
+            if finish:
+                rest, calls = streamers[delta.index].finish()
+                text += rest
+        if calls:
+            out = []
+            if text:
+                out.append(chunk([choice(delta.index, ChoiceDelta(content=text))]))
+            out.append(chunk([choice(delta.index, ChoiceDelta(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
+                                     finish_reason="tool_calls", stop_reason=delta.stop_reason)]))
+            return out
+        if text or finish or delta.logprobs:
+            return [chunk([choice(delta.index, ChoiceDelta(content=text), chat_logprobs(delta.logprobs), finish,
+                                  delta.stop_reason)])]
+        return []
+
+    # The role chunk and the chunks of the deltas already here leave in one body write: one
+    # send through uvicorn, HAProxy and the client instead of one per event (same events).
+    head = [chunk([choice(i, ChoiceDelta(role="assistant", content="")) for i in range(n)])]
+    for delta in first:
+        head += render(delta)
+    yield "".join(head)
+    async for delta in stream:
+        for text in render(delta):
+            yield text
+    if include_usage and usage is not None:
+        yield chunk([], usage_info(usage))
+
+
+def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
+    """OpenAI chat `logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`."""
+    if tokens is None:
+        return None
+
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": clamp_logprob(logprob), "bytes": list(token.encode())}
+
+    return {"content": [{**item(t.token, t.logprob),
+                         "top_logprobs": [item(a.token, a.logprob) for a in t.top_logprobs]} for t in tokens]}
+
+
+def _text_chars(messages: list[dict]) -> int:
+    """Characters of text in chat messages (string contents and text parts)."""
+    size = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return size

@@ -1,0 +1,1 @@
+"""The model replicas and the path to them: model server, router, streaming, drain, deployment options."""

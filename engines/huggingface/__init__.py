@@ -1,0 +1,1 @@
+"""The huggingface backend: transformers models under lmserve's continuous batcher."""

@@ -1,0 +1,330 @@
+"""The `huggingface` backend: transformers models with lmserve's own continuous batching.
+
+Concurrent requests share forward passes (engines/huggingface/scheduler.py: one worker thread,
+new requests join between decode steps, each with its own sampling params and random
+generator). This module is the asyncio side: validation, detokenization, stop strings and
+deltas. Stop strings, stop token ids, `n`, `seed`, penalties and exact usage are handled here
+rather than by `model.generate`, which ignores some of them (LLaMA-Factory's HF engine drops
+`stop` and serves one request at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from engines.base import (
+    Capabilities,
+    Engine,
+    GenerationDelta,
+    GenerationRequest,
+    ModelInfo,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+    prepare_generation,
+)
+from engines.config import BASE_MODEL, EngineConfig
+from engines.device import pick_dtype
+from engines.huggingface.adapters import ALL_ADAPTERS, PEFT_BASE, check_peft_adapter_fits, combine_adapters
+from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
+from engines.errors import ModelLoadError, ServingError
+from engines.model_source import resolve_model_path
+from engines.output import ChoiceOutput, RequestOutputCollector, WorkerHandoff, make_detokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    params: SamplingParams
+    prompt_ids: list[int]
+    max_tokens: int
+    eos_ids: set[int]
+    generator: Any
+    choices: list[ChoiceOutput] = field(default_factory=list)
+
+
+class _Batcher(ContinuousBatcher):
+    """The continuous batcher with each step's outputs handed to each event loop together
+    (`WorkerHandoff.step`): one wake-up per loop per step, not one per request."""
+
+    def __init__(self, handoff: WorkerHandoff, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._handoff = handoff
+
+    def _step(self) -> None:
+        with self._handoff.step():
+            super()._step()
+
+
+class HuggingFaceEngine(Engine):
+    """Engine over a transformers causal LM on one device (CUDA if present, else CPU).
+
+    Args:
+        config: the model's `EngineConfig` (`infer_backend: huggingface`).
+    """
+
+    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False, images=True,
+                                scoring=True)
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self._batcher: ContinuousBatcher | None = None
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._info: ModelInfo | None = None
+        self._eos_ids: set[int] = set()
+        self._accepts_images = False
+        self._mrope = False
+        self.model_path: Path | None = None
+        self._reward: Any = None  # engines.huggingface.reward.RewardModel when config.is_reward_model
+        # GenerationRequest.lora_name -> peft adapter name of the batch row (None: no peft model)
+        self._peft_names: dict[str | None, str] = {}
+        self._score_lock = asyncio.Lock()
+        # The batcher thread's hand-off to each event loop that has requests here (engines/output.py).
+        self._handoff = WorkerHandoff()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.model_path = await asyncio.to_thread(resolve_model_path, self.config.model_name_or_path)
+        if self.config.is_reward_model:  # scores only: no batcher (engines/huggingface/reward.py)
+            from engines.huggingface.reward import RewardModel
+
+            self._reward = await asyncio.to_thread(RewardModel.load, self.model_path, self.config)
+            self._info = self._reward.info
+            return
+        await asyncio.to_thread(self._load)
+        self._batcher = _Batcher(self._handoff, self._model, max_num_seqs=self.config.hf.max_num_seqs,
+                                          max_batch_tokens=self.config.hf.max_batch_tokens,
+                                          use_kv_cache=self.config.use_kv_cache,
+                                          batch_wait_timeout_s=self.config.hf.batch_wait_timeout_ms / 1e3,
+                                          batch_wait_gap_s=self.config.hf.batch_wait_gap_ms / 1e3,
+                                          chunked_prefill_size=self.config.hf.chunked_prefill_size)
+        self._batcher.start()
+
+    def _load(self) -> None:
+        import torch
+        from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                                  GenerationConfig)
+
+        from engines.huggingface.attention import use_gqa_attention
+
+        path = str(self.model_path)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            model_config = AutoConfig.from_pretrained(path, trust_remote_code=self.config.trust_remote_code)
+            dtype = pick_dtype(self.config.infer_dtype, getattr(model_config, "dtype", None), device)
+            self._tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.trust_remote_code)
+            # A vision-language model (LLaVA, Idefics3, ...) loads with its vision tower.
+            self._accepts_images = getattr(model_config, "vision_config", None) is not None
+            auto_class = AutoModelForImageTextToText if self._accepts_images else AutoModelForCausalLM
+            model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=self.config.trust_remote_code)
+        except Exception as exc:
+            raise ModelLoadError(f"could not load model from {path!r}: {type(exc).__name__}: {exc}") from exc
+        # Qwen2-VL and kin compute 3-D rotary positions for images (`get_rope_index`).
+        self._mrope = self._accepts_images and any(callable(getattr(m, "get_rope_index", None))
+                                                   for m in model.modules())
+        use_gqa_attention(model)  # no KV cache copies per step on CPU (engines/huggingface/attention.py)
+        model = self._load_adapters(model)
+        self._model = model.to(device).eval()
+        try:
+            gen_config = GenerationConfig.from_pretrained(path)
+            eos = gen_config.eos_token_id
+        except OSError:
+            eos = None
+        eos_list = eos if isinstance(eos, list) else [eos]
+        self._eos_ids = {int(t) for t in eos_list + [self._tokenizer.eos_token_id] if t is not None}
+        max_len = getattr(model_config.get_text_config(), "max_position_embeddings", None) or 4096
+        self._info = ModelInfo(max_model_len=int(max_len), dtype=str(dtype).removeprefix("torch."),
+                               device=device)
+        logger.info("loaded %s on %s as %s", path, device, dtype)
+
+    def _load_adapters(self, model: Any) -> Any:
+        """Wrap `model` with every LoRA adapter (peft), each under its own name, plus one adapter
+        that applies all of `config.applied_adapters` at once; a batch can then mix adapters row
+        by row (peft's `adapter_names`, `self._peft_names`).
+
+        LLaMA-Factory 0.9.5's huggingface engine merges every adapter into the weights, in order
+        (`init_adapter`: `merge_and_unload` per adapter), which leaves W + s1*B1@A1 + s2*B2@A2 + ...
+        The combined adapter is peft's `add_weighted_adapter(..., combination_type="cat")` with
+        weights 1: its rank is the sum of the ranks and its delta the sum of the adapters' deltas,
+        i.e. the same weights without merging them (merging would lose the base model and the
+        adapters alone).
+
+        Raises:
+            ModelLoadError: naming `adapter_name_or_path`, when an adapter does not fit the model
+                (targets modules it lacks, other shapes, layers it does not have) or the adapters
+                cannot be applied together (`combine_adapters`).
+        """
+        adapters = self.config.lora_adapters
+        if not adapters:
+            return model
+        from peft import PeftModel
+
+        # peft names its modules after the adapter, and a module name cannot hold a "."
+        peft_names = {name: f"lora{i}_{name.replace('.', '_')}" for i, name in enumerate(adapters)}
+        for i, (name, path) in enumerate(adapters.items()):
+            try:
+                if i == 0:
+                    model = PeftModel.from_pretrained(model, path, adapter_name=peft_names[name])
+                else:
+                    model.load_adapter(path, adapter_name=peft_names[name])
+                check_peft_adapter_fits(model, peft_names[name], path)
+            except ModelLoadError:
+                raise
+            except Exception as exc:  # peft names the mismatch: a module the model lacks, a shape
+                raise ModelLoadError(f"adapter_name_or_path: could not load LoRA adapter {path!r} into model "
+                                     f"{self.config.model_name_or_path!r}: {type(exc).__name__}: {exc}") from exc
+        applied = [peft_names[name] for name in self.config.applied_adapters]
+        if len(applied) > 1:
+            combine_adapters(model, applied, ALL_ADAPTERS, {peft_names[n]: path for n, path in adapters.items()})
+        self._peft_names = {None: ALL_ADAPTERS if len(applied) > 1 else applied[0], BASE_MODEL: PEFT_BASE,
+                            **peft_names}
+        logger.info("loaded LoRA adapters %s; requests without one are served with %s", list(adapters),
+                    self.config.applied_adapters)
+        return model
+
+    def model_info(self) -> ModelInfo:
+        if self._info is None:
+            raise ServingError.unavailable("engine not started")
+        return self._info
+
+    async def check_health(self) -> None:
+        if self._reward is not None:
+            return
+        if self._model is None or self._batcher is None:
+            raise ServingError.unavailable("huggingface engine: model not loaded")
+        if not self._batcher.alive:
+            # Dead after repeated failed steps (continuous_batching.MAX_CONSECUTIVE_STEP_FAILURES):
+            # failing here has Ray Serve replace the replica.
+            raise ServingError.unavailable("huggingface engine: "
+                                           + (self._batcher.dead_reason or "batching thread is not running"))
+
+    async def shutdown(self) -> None:
+        if self._batcher is not None:
+            await asyncio.to_thread(self._batcher.stop)
+        self._model = self._reward = None
+
+    async def score(self, texts: list[str], max_length: int | None = None) -> list[float]:
+        """Reward scores (`engines.huggingface.reward.RewardModel.score`), one request at a time.
+
+        Raises:
+            ServingError(NOT_SUPPORTED): this model generates (its `stage` is `sft`).
+            ServingError(INVALID_REQUEST): see `RewardModel.score`.
+        """
+        if self._reward is None:
+            raise ServingError.not_supported("this model generates text (stage 'sft'); only reward models score",
+                                             param="model")
+        async with self._score_lock:
+            return await asyncio.to_thread(self._reward.score, texts, max_length)
+
+    @property
+    def num_running(self) -> int:
+        """Requests currently in the batch."""
+        return self._batcher.num_running if self._batcher else 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued in this replica, waiting for room in the batch."""
+        return self._batcher.num_waiting if self._batcher else 0
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        if self._reward is not None:
+            raise ServingError.not_supported(f"this is a reward model (stage {self.config.stage!r}): it scores texts "
+                                             "and does not generate", param="model")
+        await self.check_health()
+        state = self._new_state(request)
+        collector = RequestOutputCollector()
+        batch_request = BatchRequest(
+            request_id=request.request_id, prompt_ids=state.prompt_ids, params=state.params,
+            max_tokens=state.max_tokens, eos_ids=state.eos_ids, generator=state.generator,
+            lora_name=self._peft_names.get(request.lora_name), model_inputs=self._model_inputs(request),
+            emit=partial(self._handoff.for_loop(asyncio.get_running_loop()).emit, collector),
+        )
+        self._batcher.submit(batch_request)
+        try:
+            while True:
+                try:
+                    items = await collector.get()
+                except Exception as exc:  # the batch step failed, or the batcher stopped
+                    raise ServingError.unavailable(f"huggingface engine failed: {type(exc).__name__}: {exc}") from exc
+                # Every token handed over since the last wake-up, then one delta per choice.
+                touched: dict[int, ChoiceOutput] = {}
+                for index, token, finish, stop_reason, logprobs in items:
+                    choice = state.choices[index]
+                    if choice.finished:
+                        continue
+                    logprob = self._token_logprob(token, logprobs) if logprobs is not None else None
+                    choice.add_token(token, logprob, finish, stop_reason)
+                    if choice.finished and not finish:  # a stop string ended it here
+                        self._batcher.finish_choice(batch_request, index)
+                    touched[index] = choice
+                deltas = [d for c in touched.values() if (d := c.take_delta()) is not None]
+                done = all(c.finished for c in state.choices)
+                if done:
+                    usage = Usage(prompt_tokens=len(state.prompt_ids),
+                                  completion_tokens=sum(c.num_tokens for c in state.choices))
+                    if deltas:
+                        deltas[-1].usage = usage
+                    else:
+                        deltas.append(GenerationDelta(index=state.choices[-1].index, usage=usage))
+                for delta in deltas:
+                    yield delta
+                if done:
+                    return
+        finally:
+            self._batcher.cancel(batch_request)
+
+    def _model_inputs(self, request: GenerationRequest) -> dict[str, Any] | None:
+        """The request's processor tensors on the model's device, floating ones in its dtype.
+
+        Raises:
+            ServingError(NOT_SUPPORTED): images for a text-only model, naming it.
+        """
+        if request.media is None:
+            return None
+        if not self._accepts_images:
+            raise ServingError.not_supported(f"model {self.config.model_name_or_path!r} does not accept images",
+                                             param="messages")
+        if self._mrope:
+            # Batched decode passes 1-D positions; these models need their 3-D image positions.
+            raise ServingError.not_supported(
+                f"images on model {self.config.model_name_or_path!r} (multimodal rotary positions, Qwen2-VL style) "
+                "are not supported by the huggingface backend; use infer_backend: vllm", param="messages")
+        model = self._model
+        return {k: v.to(model.device, dtype=model.dtype if v.is_floating_point() else v.dtype)
+                if hasattr(v, "to") else v for k, v in request.media.model_inputs.items()}
+
+    def _new_state(self, request: GenerationRequest) -> _RequestState:
+        import torch
+
+        vocab = max(len(self._tokenizer), self._model.get_output_embeddings().weight.shape[0])
+        params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
+                                                vocab_size=vocab)
+        if params.structured_output is not None:  # the ingress refuses it first (Capabilities)
+            raise ServingError.not_supported(
+                "response_format (JSON output) is not supported by the huggingface backend", param="response_format")
+        generator = torch.Generator(device=self._model.device)
+        generator.manual_seed(params.seed if params.seed is not None else uuid.uuid4().int & (2**63 - 1))
+        return _RequestState(
+            params=params, prompt_ids=list(request.prompt_token_ids), max_tokens=max_tokens,
+            eos_ids=set() if params.ignore_eos else self._eos_ids, generator=generator,
+            choices=[ChoiceOutput(i, params.stop,
+                                  detokenizer=make_detokenizer(self._tokenizer, params.skip_special_tokens))
+                     for i in range(params.n)],
+        )
+
+    def _token_logprob(self, token: int, logprobs: tuple) -> TokenLogprob:
+        logprob, top = logprobs
+        decode = self._tokenizer.decode
+        return TokenLogprob(token_id=token, token=decode([token]), logprob=logprob,
+                            top_logprobs=[TokenLogprob(t, decode([t]), lp) for t, lp in top])

@@ -1,0 +1,647 @@
+"""Continuous batching for transformers causal LMs: one worker thread, one shared forward pass.
+
+Every running sequence (one per choice of each request) is a row of one left-padded batch whose
+KV cache is a transformers `DynamicCache`. Each scheduler step:
+
+1. drops rows whose request finished or was cancelled (they leave the batch at once) and trims
+   leading columns that only hold padding;
+2. admits waiting requests while the batch stays within `max_num_seqs` rows and, over its
+   whole future, `max_batch_tokens` KV positions held (rows x padded width: every row is as wide
+   as the longest, and all grow one column per step until their max tokens); their prompts are
+   prefilled together (left-padded) and their rows are merged into the batch. An empty batch
+   first holds its first request for the admission window (see `ContinuousBatcher`). A prefill
+   larger than `chunked_prefill_size` tokens (prompts x padded length) runs one chunk of columns
+   per step (chunked prefill, as SGLang's `--chunked-prefill-size` and vLLM's chunked prefill),
+   so a long prompt does not stall the running rows: they decode a token between its chunks.
+   Waiting requests are admitted once it is done;
+3. decodes one token for every row in a single forward pass, with per-row positions and an
+   attention mask that hides the padding, then samples each row with its own parameters and
+   random generator.
+
+Cache layers are selected, merged and trimmed per type (`MERGEABLE_LAYERS`): keys and values by
+column, the conv and recurrent states of hybrid and linear-attention models (LFM2, Qwen3-Next,
+Falcon-H1, Bamba, Jamba, GraniteMoeHybrid) by row only. A model with another layer type is
+served without joins mid-decode: each batch runs to its end before the next is admitted.
+
+A step that fails fails the requests in its batch; `MAX_CONSECUTIVE_STEP_FAILURES` in a row stop
+the batcher (`dead_reason`), so that the replica fails its health check and is replaced.
+
+A request with images (`model_inputs`, e.g. `pixel_values`) is prefilled alone, with its
+processor tensors, because how a vision-language model lays out several requests' images in one
+forward pass differs per architecture; its rows then join the batch and decode like any other
+(the image lives on in the KV cache).
+
+New requests thus join between decode steps, as in vLLM's scheduler; each request still gets
+its tokens as they are produced through its `emit` callback. Sampling (`engines.huggingface.sampling`) runs
+over the whole batch at once with transformers' logits processors' semantics (repetition
+penalty, temperature, top-k, top-p, min-p) plus OpenAI's presence and frequency penalties and
+`logit_bias` (added first, as vLLM does).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from engines.base import SamplingParams
+from engines.errors import ServingError
+from engines.huggingface.kv_cache import (
+    left_pad,
+    grow_in_place,
+    merge_cache_rows,
+    mergeable_cache,
+    MERGEABLE_LAYERS,
+    peak_kv_positions,
+    select_cache_rows,
+    trim_cache_columns,
+)
+from engines.huggingface.sampling import BatchSampler
+
+logger = logging.getLogger(__name__)
+
+# What a request still queued or running gets when the batcher stops (the replica shutting
+# down): UNAVAILABLE, a 503 the client may retry elsewhere, not an internal error.
+ENGINE_SHUT_DOWN = "the engine has shut down; retry later"
+ENGINE_DEAD = "the engine failed and stopped serving; retry later"
+
+# Consecutive failed steps after which the batcher stops serving (vLLM's `EngineDeadError`):
+# one failed step fails only its batch, but a step that fails every time (out of memory, a
+# device error) would fail every request; stopped, the batcher fails the health check
+# (`HuggingFaceEngine.check_health`) and Ray Serve replaces the replica. A successful step
+# resets the count.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+# (choice index, token id, finish reason or None, stop reason or None, logprobs or None) where
+# logprobs = (log-probability of the token, [(token id, log-probability), ...] top alternatives)
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+TokenEvent = tuple[int, int, "str | None", "str | int | None", "TokenLogprobs | None"]
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One request as the scheduler sees it.
+
+    `emit` is called from the worker thread with the events of one step (a list of
+    `TokenEvent`); an exception instead of a list means the request failed.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_ids: set[int]
+    generator: torch.Generator
+    emit: Callable[[list[TokenEvent] | BaseException], None]
+    lora_name: str | None = None
+    model_inputs: dict[str, Any] | None = None  # processor tensors of the images, on the model's device
+    cancelled: bool = False
+    finished_choices: set[int] = field(default_factory=set)
+    arrival_time: float = 0.0  # time.monotonic() when submitted (s), as vLLM's Request.arrival_time
+    scheduled_time: float | None = None  # time.monotonic() when admitted to the batch (s)
+
+
+@dataclass(eq=False)
+class _Row:
+    request: BatchRequest
+    index: int
+    generated: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finished or self.request.cancelled or self.index in self.request.finished_choices
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """Admitted prompts being prefilled a chunk of columns per step.
+
+    Shapes: `ids`, `mask`, `positions` (prompts, padded length); `done` columns are in `cache`.
+    """
+
+    requests: list[BatchRequest]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    cache: Any = None
+    done: int = 0
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+
+class ContinuousBatcher:
+    """Schedules `BatchRequest`s onto a model in one worker thread.
+
+    Args:
+        model: a transformers causal LM in eval mode.
+        max_num_seqs: most rows (sequences) decoded together.
+        max_batch_tokens: most KV positions (rows x padded width, per layer) the batch may
+            hold, counted over its whole future at admission (`_peak_positions`), which bounds
+            KV cache memory; a lone request is admitted beyond it.
+        use_kv_cache: False recomputes the whole sequence every step, one row at a time
+            (LLaMA-Factory's `use_kv_cache: false`).
+        batch_wait_timeout_s: when the batch is empty, the longest a first request waits for
+            others to join its prefill (s); 0 admits it at once.
+        batch_wait_gap_s: the wait ends sooner, once no request has arrived for this long (s).
+        chunked_prefill_size: most prompt tokens (prompts x padded length) one prefill forward
+            pass takes; a larger prefill is split into chunks of columns, one per step, with a
+            decode step of the running rows after each. -1 never splits. Prompts with images,
+            and prefills without a KV cache, are never split.
+
+    Admission window: requests that a burst of clients sends at once reach the replica spread
+    over 8-25 ms (measured at 16 streams: HTTP, the ingress, then the replica, one request after
+    another). Admitted as they come, the first one's prefill would start alone and the rest would
+    wait for all of it before their own (+150-230 ms TTFT p50 at 16 streams on 2 CPU cores). So
+    an empty batch holds its first request while others keep arriving, as Ray Serve's
+    `@serve.batch` waits up to `batch_wait_timeout_s` to fill a batch, but it stops waiting as
+    soon as arrivals pause for `batch_wait_gap_s`: a lone request loses only that gap. A running
+    batch admits at once (its decode steps go on meanwhile; new requests join at the next step).
+
+    The window is adaptive, so that a lone request does not pay even the gap: it is armed only
+    while the traffic shows bursts. A request that reaches an idle engine (nothing running or
+    waiting) starts an "idle start"; if another request arrives within `batch_wait_timeout_s`
+    of it, that start had company and the window is armed; after `lone_starts_to_disarm` idle
+    starts in a row without company it is disarmed again. It starts disarmed: the first burst
+    after an idle spell of lone requests is admitted as it comes (the first request's prefill
+    runs alone, as without a window), and the next ones are gathered.
+    """
+
+    lone_starts_to_disarm = 3
+
+    def __init__(self, model: Any, max_num_seqs: int = 32, max_batch_tokens: int = 65536,
+                 use_kv_cache: bool = True, batch_wait_timeout_s: float = 0.0, batch_wait_gap_s: float = 0.0,
+                 chunked_prefill_size: int = -1):
+        self.model = model
+        self.device = model.device
+        # A peft model takes one adapter name per row ("__base__" = no adapter).
+        self._mixed_adapters = hasattr(model, "peft_config")
+        # Prefill passes compute logits for the last column only where the model takes
+        # `logits_to_keep` (as transformers' `generate` does): the LM head over every prompt
+        # position was 15-24 % of a prefill of SmolLM2-135M (49152-token vocabulary) on CPU.
+        self._last_logits = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.use_kv_cache = use_kv_cache
+        self.batch_wait_timeout_s = batch_wait_timeout_s
+        self.batch_wait_gap_s = batch_wait_gap_s
+        self.chunked_prefill_size = chunked_prefill_size
+        # Whether requests join a decoding batch (and a long prompt is prefilled in chunks
+        # meanwhile): known from the model's config here, confirmed by every prefill's cache.
+        self.joins_mid_decode = _config_cache_mergeable(model)
+        self._said_unmergeable = False
+        self._prefilling: _Prefill | None = None  # a chunked prefill in progress
+        self._waiting: deque[BatchRequest] = deque()
+        self._rows: list[_Row] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # (rows, columns) 1 = real token, 0 = padding
+        self._next_tokens: torch.Tensor | None = None  # (rows,) last sampled token per row
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.dead_reason: str | None = None  # why the batcher stopped serving, after repeated step failures
+        self._failed_steps = 0  # consecutive failed steps
+        # Adaptive admission window (class docstring); guarded by `_wake`. Lone idle starts in a
+        # row since the last one with company; it starts disarmed.
+        self._lone_idle_starts = self.lone_starts_to_disarm
+        self._idle_start: float | None = None  # arrival time of the last request to reach an idle engine
+        self._idle_start_had_company = False
+        self._thread = threading.Thread(target=self._run, name="hf-continuous-batching", daemon=True)
+        self.steps = 0
+
+    # ---- called from any thread -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30) -> None:
+        """Stop the worker thread and wait (up to `timeout` s) for its current step to end, so
+        no forward pass is still running when the process exits."""
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def submit(self, request: BatchRequest) -> None:
+        """Queue `request`; after `stop` or once the batcher is dead (`dead_reason`), fail it
+        at once (its `emit` gets an UNAVAILABLE error)."""
+        request.arrival_time = now = time.monotonic()
+        with self._wake:
+            stopped = self._stopped
+            if not stopped:
+                if (self._idle_start is not None and not self._idle_start_had_company
+                        and now - self._idle_start <= self.batch_wait_timeout_s):
+                    self._idle_start_had_company, self._lone_idle_starts = True, 0
+                if not self._waiting and self._prefilling is None and all(r.done for r in self._rows):
+                    self._note_idle_start(now)
+                self._waiting.append(request)
+                self._wake.notify_all()
+        if stopped:
+            request.emit(self._stopped_error())
+
+    def _stopped_error(self) -> ServingError:
+        return ServingError.unavailable(ENGINE_DEAD if self.dead_reason else ENGINE_SHUT_DOWN)
+
+    def _note_idle_start(self, now: float) -> None:
+        """A request reached an idle engine: count the previous idle start if it was lone."""
+        if self._idle_start is not None and not self._idle_start_had_company:
+            self._lone_idle_starts += 1
+        self._idle_start, self._idle_start_had_company = now, False
+
+    @property
+    def window_armed(self) -> bool:
+        """Whether an empty batch holds its first request (fewer than `lone_starts_to_disarm`
+        lone idle starts since the last burst)."""
+        return self._lone_idle_starts < self.lone_starts_to_disarm
+
+    def finish_choice(self, request: BatchRequest, index: int) -> None:
+        """Stop generating choice `index` (e.g. a stop string was found in its text)."""
+        request.finished_choices.add(index)
+
+    def cancel(self, request: BatchRequest) -> None:
+        """Stop generating every choice of `request`; its rows leave at the next step."""
+        request.cancelled = True
+        with self._wake:
+            if request in self._waiting:
+                self._waiting.remove(request)
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished: with a row in the batch, or being prefilled."""
+        job = self._prefilling  # read once: the worker thread may clear it meanwhile
+        prefilling = job.requests if job is not None else []
+        return len({id(r.request) for r in self._rows if not r.done}
+                   | {id(r) for r in prefilling if not r.cancelled})
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- worker thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._wake:
+                if self._rows and all(r.done for r in self._rows):
+                    # Empty the batch before waiting, so that a request arriving right after the
+                    # last one finished meets the admission window (not a half-emptied batch).
+                    self._drop_done_rows()
+                while not self._stopped and not self._waiting and not self._rows and self._prefilling is None:
+                    self._wake.wait()
+                if not self._rows and self._prefilling is None:
+                    self._wait_for_arrivals()
+                if self._stopped:
+                    break
+            try:
+                with torch.inference_mode():
+                    self._step()
+                self._failed_steps = 0
+            except Exception as exc:  # noqa: BLE001 - fail the requests in the batch, keep serving
+                self._failed_steps += 1
+                failed = self._admitted_requests()
+                logger.exception("batch step failed (%d in a row); failing %d running requests",
+                                 self._failed_steps, len(failed))
+                if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                    with self._wake:
+                        self.dead_reason = (f"{self._failed_steps} batch steps failed in a row, the last with "
+                                            f"{type(exc).__name__}: {exc}")
+                        self._stopped = True
+                    logger.error("the batcher stops serving: %s", self.dead_reason)
+                    break  # its requests and the waiting ones get UNAVAILABLE below
+                for request in failed:
+                    request.emit(exc)
+                self._rows, self._cache, self._mask, self._next_tokens = [], None, None, None
+                self._prefilling = None
+        with self._wake:
+            pending = list(self._waiting) + self._admitted_requests()
+            self._waiting.clear()
+        self._rows, self._cache, self._mask, self._next_tokens, self._prefilling = [], None, None, None, None
+        for request in pending:
+            request.emit(self._stopped_error())
+
+    def _admitted_requests(self) -> list[BatchRequest]:
+        """Every request in the batch or being prefilled, once each."""
+        requests = {id(r.request): r.request for r in self._rows}
+        if self._prefilling is not None:
+            requests.update((id(r), r) for r in self._prefilling.requests)
+        return list(requests.values())
+
+    def _wait_for_arrivals(self) -> None:
+        """The admission window (see the class docstring); called with `_wake` held and the
+        batch empty. Returns at once while the window is disarmed, else when arrivals paused for
+        `batch_wait_gap_s`, the first waiting request has waited `batch_wait_timeout_s`, or the
+        waiting requests fill `max_num_seqs`."""
+        if self.batch_wait_timeout_s <= 0 or self.batch_wait_gap_s <= 0 or not self.window_armed:
+            return
+        while not self._stopped and self._waiting:
+            if (sum(r.params.n for r in self._waiting) >= self.max_num_seqs
+                    or self._peak_positions(list(self._waiting)) >= self.max_batch_tokens):
+                return
+            close = min(self._waiting[0].arrival_time + self.batch_wait_timeout_s,
+                        self._waiting[-1].arrival_time + self.batch_wait_gap_s)
+            remaining = close - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wake.wait(remaining)
+
+    def _step(self) -> None:
+        self.steps += 1
+        self._drop_done_rows()
+        events: dict[int, tuple[BatchRequest, list[TokenEvent]]] = {}
+        if self._prefilling is None:
+            admitted = self._admit()
+            if admitted:
+                self._prefilling = self._start_prefill(admitted)
+        if self._prefilling is not None and self._drop_cancelled_prompts(self._prefilling):
+            self._prefill_chunk(self._prefilling, events)
+        elif self._has_decoding_rows():
+            self._decode(events)
+        for request, items in events.values():
+            request.emit(items)
+
+    def _admit(self) -> list[BatchRequest]:
+        """Waiting requests (first come, first served) whose rows fit in the batch: at most
+        `max_num_seqs` rows, and at most `max_batch_tokens` KV positions held over the batch's
+        whole future (`_peak_positions`). A request that does not fit waits, and so do those
+        behind it, until rows leave; one alone in an empty batch is always admitted."""
+        if self._rows and not self.joins_mid_decode:
+            return []
+        admitted: list[BatchRequest] = []
+        now = time.monotonic()
+        with self._wake:
+            rows = len(self._rows)
+            while self._waiting:
+                request = self._waiting[0]
+                n = request.params.n
+                fits = (rows + n <= self.max_num_seqs
+                        and self._peak_positions(admitted + [request]) <= self.max_batch_tokens)
+                if not fits and (rows or admitted):
+                    break
+                if admitted and (request.model_inputs or admitted[0].model_inputs):
+                    break  # a request with images is prefilled alone
+                self._waiting.popleft()
+                request.scheduled_time = now
+                admitted.append(request)
+                rows += n
+        return admitted
+
+    def _peak_positions(self, admitted: list[BatchRequest]) -> int:
+        """The most KV positions the batch will hold with `admitted` prefilled and joined.
+
+        Running rows hold their real columns (the batch's width is the longest row's, as leading
+        padding is trimmed when rows leave) and grow one per step until their max tokens. The
+        admitted rows are counted from now, as if their prompt were already in the batch, until
+        the end of their prefill (one step per chunk, the running rows decoding meanwhile) plus
+        their max tokens: more than they hold, since the prefill pads them only to the longest
+        admitted prompt.
+        """
+        rows: list[tuple[int, int]] = []
+        if self._rows:
+            lengths = self._mask.sum(dim=1).tolist()
+            rows = [(length, row.request.max_tokens - len(row.generated))
+                    for length, row in zip(lengths, self._rows)]
+        if admitted:
+            width = max(len(r.prompt_ids) for r in admitted)
+            chunk = self._chunk_width(admitted) or width
+            steps = -(-width // chunk)
+            rows += [(len(r.prompt_ids), steps + r.max_tokens) for r in admitted for _ in range(r.params.n)]
+        return peak_kv_positions(rows, trimmed=self.joins_mid_decode)
+
+    def _drop_done_rows(self) -> None:
+        keep = [i for i, r in enumerate(self._rows) if not r.done]
+        if len(keep) == len(self._rows):
+            return
+        self._rows = [self._rows[i] for i in keep]
+        if not self._rows:
+            self._cache, self._mask, self._next_tokens = None, None, None
+            return
+        index = torch.tensor(keep, device=self.device)
+        self._mask = self._mask.index_select(0, index)
+        self._next_tokens = self._next_tokens.index_select(0, index)
+        if self._cache is not None:
+            select_cache_rows(self._cache, index)
+        # Columns that hold padding for every remaining row can go (only where every cache
+        # layer can be trimmed: its columns must stay those of the mask).
+        first = int(self._mask.any(dim=0).nonzero()[0])
+        if first > 0 and self.joins_mid_decode:
+            self._mask = self._mask[:, first:]
+            if self._cache is not None:
+                trim_cache_columns(self._cache, first, self._mask.shape[1])
+
+    def _has_decoding_rows(self) -> bool:
+        """Whether a row of the batch has produced a token and is not done."""
+        return any(not r.done and r.generated for r in self._rows)
+
+    def _start_prefill(self, admitted: list[BatchRequest]) -> _Prefill:
+        """The admitted prompts left-padded into one batch, not yet run."""
+        width = max(len(r.prompt_ids) for r in admitted)
+        ids = torch.zeros((len(admitted), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(admitted), width), dtype=torch.long, device=self.device)
+        for i, request in enumerate(admitted):
+            ids[i, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
+            mask[i, width - len(request.prompt_ids):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return _Prefill(admitted, ids, mask, positions)
+
+    def _chunk_columns(self, job: _Prefill) -> int:
+        """How many of the job's remaining columns this step's forward pass takes."""
+        remaining = job.width - job.done
+        return min(remaining, self._chunk_width(job.requests) or remaining)
+
+    def _chunk_width(self, requests: list[BatchRequest]) -> int | None:
+        """Columns per chunk of a prefill of `requests`; None: one pass."""
+        if (self.chunked_prefill_size < 0 or not self.use_kv_cache or not self.joins_mid_decode
+                or any(r.model_inputs for r in requests)):
+            return None
+        return max(1, self.chunked_prefill_size // len(requests))
+
+    def _note_cache_layers(self, cache: Any) -> None:
+        """Check a prefill's cache layers before its rows join the batch: a layer type the
+        batcher cannot merge or trim turns joins mid-decode off (said once in the log)."""
+        mergeable = mergeable_cache(cache)
+        if not mergeable and not self._said_unmergeable:
+            self._said_unmergeable = True
+            kinds = sorted({type(layer).__name__ for layer in cache.layers} - {t.__name__ for t in MERGEABLE_LAYERS})
+            logger.warning("the KV cache of %s has layers the batcher cannot merge (%s): each batch runs to its "
+                           "end before the next is admitted", type(self.model).__name__, ", ".join(kinds))
+        self.joins_mid_decode = mergeable
+
+    def _drop_cancelled_prompts(self, job: _Prefill) -> bool:
+        """Take cancelled requests out of a prefill (their rows of the tensors and the cache).
+
+        Returns:
+            whether any request is left; if none, the prefill is dropped.
+        """
+        keep = [i for i, r in enumerate(job.requests) if not r.cancelled]
+        if len(keep) == len(job.requests):
+            return True
+        if not keep:
+            self._prefilling = None
+            return False
+        index = torch.tensor(keep, device=self.device)
+        job.requests = [job.requests[i] for i in keep]
+        job.ids, job.mask, job.positions = (t.index_select(0, index) for t in (job.ids, job.mask, job.positions))
+        if job.cache is not None:
+            select_cache_rows(job.cache, index)
+        return True
+
+    def _prefill_chunk(self, job: _Prefill, events: dict) -> None:
+        """Run the next chunk of `job`'s columns; the running rows decode a token after it.
+        After the last chunk, sample the prompts' first tokens and merge their rows into the
+        batch; the running rows decode before the merge (with a KV cache), so a stream of
+        arrivals cannot starve them."""
+        start = job.done
+        end = start + self._chunk_columns(job)
+        admitted = job.requests
+        media = admitted[0].model_inputs or {}  # only set when it was admitted alone
+        out = self.model(input_ids=job.ids[:, start:end], attention_mask=job.mask[:, :end],
+                         position_ids=job.positions[:, start:end], past_key_values=job.cache,
+                         use_cache=self.use_kv_cache, **media, **self._adapter_kwargs(admitted), **self._last_logits)
+        job.cache, job.done = out.past_key_values if self.use_kv_cache else None, end
+        if end < job.width:
+            if self._has_decoding_rows():
+                self._decode(events)
+            return
+        repeat = torch.tensor([r.params.n for r in admitted], device=self.device)
+        row_of = torch.repeat_interleave(torch.arange(len(admitted), device=self.device), repeat)
+        logits = out.logits[:, -1, :].float().index_select(0, row_of)
+        new_rows = [_Row(request, index) for request in admitted for index in range(request.params.n)]
+        new_cache = None
+        if self.use_kv_cache:
+            new_cache = job.cache
+            grow_in_place(new_cache)
+            if len(new_rows) != len(admitted):
+                select_cache_rows(new_cache, row_of)
+            self._note_cache_layers(new_cache)
+        tokens = self._sample(new_rows, logits)
+        logprobs = self._logprobs(new_rows, logits, tokens)
+        # Decode the running rows now too, so a stream of arrivals cannot starve them.
+        if self.use_kv_cache and self._has_decoding_rows():
+            self._decode(events)
+        self._merge(new_rows, new_cache, job.mask.index_select(0, row_of), tokens)
+        # Only now: until its rows are in the batch, a failure must still reach its requests
+        # (`_admitted_requests`), and `num_running` and `submit` must still see them.
+        self._prefilling = None
+        for row, token, lp in zip(new_rows, tokens.tolist(), logprobs):
+            self._record(row, token, events, lp)
+
+    def _merge(self, rows: list[_Row], cache: Any, mask: torch.Tensor, tokens: torch.Tensor) -> None:
+        if not self._rows:
+            self._rows, self._cache, self._mask, self._next_tokens = rows, cache, mask, tokens
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        self._mask = torch.cat([left_pad(self._mask, 1, width), left_pad(mask, 1, width)], dim=0)
+        if self._cache is not None:
+            merge_cache_rows(self._cache, cache, width)
+        self._rows = self._rows + rows
+        self._next_tokens = torch.cat([self._next_tokens, tokens])
+
+    def _decode(self, events: dict) -> None:
+        """One decode step for every running row that has already produced a token."""
+        if self.use_kv_cache:
+            mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
+            positions = (mask.sum(-1, keepdim=True) - 1)
+            out = self.model(input_ids=self._next_tokens[:, None], attention_mask=mask, position_ids=positions,
+                             past_key_values=self._cache, use_cache=True,
+                             **self._adapter_kwargs([r.request for r in self._rows]))
+            self._cache, self._mask = out.past_key_values, mask
+            logits = out.logits[:, -1, :].float()
+        else:
+            logits = torch.cat([self._full_forward(r) for r in self._rows])
+            self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
+        tokens = self._sample(self._rows, logits)
+        logprobs = self._logprobs(self._rows, logits, tokens)
+        self._next_tokens = tokens
+        for row, token, lp in zip(self._rows, tokens.tolist(), logprobs):
+            self._record(row, token, events, lp)
+
+    def _full_forward(self, row: _Row) -> torch.Tensor:
+        ids = torch.tensor([row.request.prompt_ids + row.generated], device=self.device)
+        return self.model(input_ids=ids, use_cache=False, **(row.request.model_inputs or {}),
+                          **self._adapter_kwargs([row.request]), **self._last_logits).logits[:, -1, :].float()
+
+    def _adapter_kwargs(self, requests: list[BatchRequest]) -> dict:
+        if not self._mixed_adapters:
+            return {}
+        return {"adapter_names": [r.lora_name or "__base__" for r in requests]}
+
+    @staticmethod
+    def _logprobs(rows: list[_Row], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+        """Log-probabilities of the chosen tokens and the top alternatives, from the model's
+        raw distribution (before penalties and sampling warpers, as vLLM reports by default),
+        for the rows whose request asked for them."""
+        wanted = [r.request.params.logprobs is not None for r in rows]
+        if not any(wanted):
+            return [None] * len(rows)
+        logp = torch.log_softmax(logits, dim=-1)
+        out: list[TokenLogprobs | None] = []
+        for i, (row, want) in enumerate(zip(rows, wanted)):
+            if not want:
+                out.append(None)
+                continue
+            k = row.request.params.logprobs
+            top = torch.topk(logp[i], k) if k else None
+            alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            out.append((float(logp[i, tokens[i]]), alternatives))
+        return out
+
+    def _record(self, row: _Row, token: int, events: dict, logprobs: TokenLogprobs | None = None) -> None:
+        if row.done:
+            return
+        request = row.request
+        row.generated.append(token)
+        finish, stop_reason = None, None
+        if token in request.params.stop_token_ids:
+            finish, stop_reason = "stop", token
+        elif token in request.eos_ids:
+            finish = "stop"
+        elif len(row.generated) >= request.max_tokens:
+            finish = "length"
+        row.finished = finish is not None
+        events.setdefault(id(request), (request, []))[1].append((row.index, token, finish, stop_reason, logprobs))
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def _sampler(self) -> BatchSampler:
+        return BatchSampler()
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """Next token per row (`engines.huggingface.sampling.BatchSampler`, all rows at once, each with its
+        own parameters and generator); `logits` shape `[rows, vocab]` (float32), left unchanged
+        (the caller reports logprobs from them)."""
+        return self._sampler.sample(rows, logits)
+
+
+def _config_cache_mergeable(model: Any) -> bool:
+    """Whether the `DynamicCache` that transformers builds from `model`'s config has only
+    `MERGEABLE_LAYERS` (False where it cannot be built from the config)."""
+    from transformers import DynamicCache
+
+    try:
+        return mergeable_cache(DynamicCache(config=model.config))
+    except Exception:  # noqa: BLE001 - a config without layer types: the first prefill's cache tells
+        return False
+
+
+def supports_logits_to_keep(model: Any) -> bool:
+    """Whether `model`'s forward takes `logits_to_keep` (a peft model: its base model's), as
+    transformers' `GenerationMixin._supports_logits_to_keep` decides for `generate`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check = getattr(base, "_supports_logits_to_keep", None)
+    return bool(check()) if callable(check) else False
+
+

@@ -1,0 +1,1 @@
+"""The sglang and ktransformers backends: an SGLang server as a child process, spoken to over HTTP."""
