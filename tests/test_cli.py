@@ -253,8 +253,9 @@ def test_serve_drains_streams_on_sigterm(tmp_path, model_dir):
         while True:
             assert proc.poll() is None, "lmserve serve exited"
             try:
+                # the ready line too: Serve may route requests a poll before its status says RUNNING
                 if httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
-                              timeout=30).status_code == 200:
+                              timeout=30).status_code == 200 and "lmserve: ready" in log.read_text():
                     break
             except httpx.HTTPError:
                 pass
