@@ -303,13 +303,13 @@ def test_an_adapter_directory_named_base_does_not_hide_the_base_model():
 
 
 def test_model_ids_of_a_model_with_adapters():
-    from deployments.serve.router import ModelEntry, ModelRouter, describe_served_models, served_model_ids
+    from deployments.serve.router import ServedModel, ModelRouter, describe_served_models, served_model_ids
 
     config = EngineConfig(adapter_name_or_path="/a/sft,/b/dpo")
     assert served_model_ids("m", config) == {"m": None, "m:sft": "sft", "m:dpo": "dpo", "m:base": BASE_MODEL}
     assert served_model_ids("m", EngineConfig()) == {"m": None}
     assert served_model_ids("rm", EngineConfig(adapter_name_or_path="/a/sft", stage="rm")) == {"rm": None}
-    entry = ModelEntry("m", config, client=None)
+    entry = ServedModel("m", config, client=None)
     models = {"m": entry, **{v.model_id: v for v in entry.variants()}}
     assert [(mid, e.lora_name, e.parent, e.root) for mid, e in models.items()] == [
         ("m", None, None, "smollm2"), ("m:sft", "sft", "m", "/a/sft"), ("m:dpo", "dpo", "m", "/b/dpo"),

@@ -38,7 +38,7 @@ from deployments.openai.protocol import (
     ModelList,
     ScoreEvaluationRequest,
 )
-from deployments.serve.router import ModelEntry, ModelRouter
+from deployments.serve.router import ServedModel, ModelRouter
 from deployments.openai.serving_chat import ChatServing
 from deployments.openai.serving_completion import CompletionServing
 from deployments.openai.serving_score import ScoreServing
@@ -84,7 +84,7 @@ def _asset_route(path: str):
     return webchat_asset
 
 
-def model_card(entry: ModelEntry) -> ModelCard:
+def model_card(entry: ServedModel) -> ModelCard:
     """The `/v1/models` entry of `entry`: vLLM's fields, and lmserve's `input_modalities` (images
     where both the model's processor and its backend take them, as `ChatServing.render_prompt`
     checks) and `generation_defaults` (what a request that sets no sampling field gets,
@@ -160,7 +160,7 @@ class OpenAIIngress:
         replica runs at once, and one more is refused with OVERLOADED (status and `Retry-After`
         from Ray Serve's `backpressure_config` fields `status_code`, `retry_after_s`)."""
         self.settings = IngressSettings.model_validate(settings or {})
-        self.models = {mid: ModelEntry(mid, EngineConfig.from_dict(cfg), clients[mid]) for mid, cfg in models.items()}
+        self.models = {mid: ServedModel(mid, EngineConfig.from_dict(cfg), clients[mid]) for mid, cfg in models.items()}
         self.api_keys = [k.encode() for k in self.settings.resolve_api_keys()]
         # One model at a time: transformers' lazy imports are not thread-safe on first use (two
         # renderers loading at once in a fresh process fail with "cannot import name 'AutoTokenizer'").
@@ -182,7 +182,7 @@ class OpenAIIngress:
         return create_app(self)
 
     @staticmethod
-    async def _load_renderer(entry: ModelEntry) -> None:
+    async def _load_renderer(entry: ServedModel) -> None:
         cfg = entry.config
         # Tokenizer, template and processor files only: the ingress never loads the weights.
         path = await asyncio.to_thread(resolve_tokenizer_path, cfg.model_name_or_path)

@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from openai.types import CompletionUsage
 from pydantic import BaseModel
 
-from deployments.serve.router import ModelEntry, ModelRouter
+from deployments.serve.router import ServedModel, ModelRouter
 from deployments.settings import IngressSettings
 from deployments.openai.sse import response_headers, sse_response
 from engines.base import GenerationDelta, Usage
@@ -34,7 +34,7 @@ class OpenAIServing:
         self.settings = settings
         self._context_lengths: dict[str, int] = {}  # configured model ID -> tokens
 
-    async def context_length(self, entry: ModelEntry) -> int | None:
+    async def context_length(self, entry: ServedModel) -> int | None:
         """The context length of `entry`'s model (tokens, `ModelInfo.max_model_len`), asked of
         the model once and kept; None when the model cannot be asked now (the request then
         goes on, and the engine checks the length itself)."""
@@ -55,7 +55,7 @@ class OpenAIServing:
         header when it sent one); a random hex ID where nothing set it."""
         return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
 
-    def sse_response(self, entry: ModelEntry, chunks: AsyncIterator[str],
+    def sse_response(self, entry: ServedModel, chunks: AsyncIterator[str],
                      generation: AsyncGenerator[GenerationDelta, None]) -> StreamingResponse:
         """`chunks` as an SSE response; an error raised while streaming is counted for `entry`;
         `generation` (the router's stream that `chunks` reads) is closed when the response ends,

@@ -28,7 +28,7 @@ from deployments.openai.protocol import (
     ChatCompletionResponse,
     clamp_logprob,
 )
-from deployments.serve.router import ModelEntry, ModelRouter, check_capabilities, label_request
+from deployments.serve.router import ServedModel, ModelRouter, check_capabilities, label_request
 from deployments.openai.serving import OpenAIServing, json_response, usage_info
 from deployments.settings import IngressSettings
 from deployments.openai.sse import sse_event
@@ -95,7 +95,7 @@ class ChatServing(OpenAIServing):
             id=request_id, object="chat.completion", created=created, model=entry.model_id,
             usage=usage_info(full.usage), choices=choices), entry.capabilities.backend)
 
-    async def render_prompt(self, entry: ModelEntry, body: ChatCompletionRequest,
+    async def render_prompt(self, entry: ServedModel, body: ChatCompletionRequest,
                             messages: list[dict]) -> tuple[list[int], MediaInput | None]:
         """Prompt token ids of a chat request and, when it has `image_url` parts, its loaded
         images (engines/prompt/media.py: sources and limits from `settings.media`).

@@ -1,6 +1,6 @@
 """Where a request goes: the model registry of an ingress replica and the way to a model's engine.
 
-`ModelRouter` resolves the request's `model` to a `ModelEntry` (a configured model, one of its
+`ModelRouter` resolves the request's `model` to a `ServedModel` (a configured model, one of its
 LoRA adapters alone, or its base model: `served_model_ids`), refuses what the model cannot serve
 (the route, a capability its backend lacks), and streams the generation from the model's
 `ModelServer` replica or the engine in this replica: the deadline, the bound on requests at
@@ -59,7 +59,7 @@ def describe_served_models(model_id: str, config: EngineConfig) -> str:
             f"'{model_id}:{BASE_MODEL}')")
 
 
-class ModelEntry:
+class ServedModel:
     """A public model ID: a configured model (`lora_name` None: with the adapters it is
     configured with), one of its LoRA adapters alone, or its base model (`lora_name` =
     `BASE_MODEL`); the latter two are served by the configured model's replicas (`parent`)."""
@@ -74,7 +74,7 @@ class ModelEntry:
         self.capabilities: Capabilities = engine_capabilities(config.infer_backend)
         self.renderer: PromptRenderer | None = None
 
-    def variants(self) -> list["ModelEntry"]:
+    def variants(self) -> list["ServedModel"]:
         """The entries of this model's other IDs (`served_model_ids`): each adapter alone, the
         base model; none without adapters."""
         variants = []
@@ -92,12 +92,12 @@ class ModelEntry:
         return self.config.lora_adapters.get(self.lora_name or "", self.config.model_name_or_path)
 
 
-def label_request(request: Request, entry: ModelEntry) -> None:
+def label_request(request: Request, entry: ServedModel) -> None:
     """An error answered for this request from now on is counted under this model."""
     request.state.metric_labels = (entry.model_id, entry.config.infer_backend)
 
 
-def check_route(entry: ModelEntry, scoring: bool) -> None:
+def check_route(entry: ServedModel, scoring: bool) -> None:
     """Refuse (METHOD_NOT_ALLOWED, 405) a model that does not serve this kind of route
     (LLaMA-Factory's `can_generate`): generation on a reward model, scoring on a generating one."""
     if entry.config.is_reward_model and not scoring:
@@ -109,7 +109,7 @@ def check_route(entry: ModelEntry, scoring: bool) -> None:
                            "needs a reward model (stage: rm)", param="model")
 
 
-def check_capabilities(entry: ModelEntry, req: SamplingFields) -> None:
+def check_capabilities(entry: ServedModel, req: SamplingFields) -> None:
     """Refuse (NOT_SUPPORTED), naming feature and backend, what the request needs and the
     backend's `Capabilities` lack (every flag a request can ask for; engines/capabilities.py
     lists them); a reward model is refused first (`check_route`)."""
@@ -160,7 +160,7 @@ class ModelRouter:
             from the engine; None = no bound but the deadline.
     """
 
-    def __init__(self, models: dict[str, ModelEntry], request_timeout_s: float, metrics: IngressMetrics,
+    def __init__(self, models: dict[str, ServedModel], request_timeout_s: float, metrics: IngressMetrics,
                  max_requests: int | None = None, backpressure_config: dict | None = None,
                  queue_timeout_s: float | None = None):
         self.models = models
@@ -175,7 +175,7 @@ class ModelRouter:
         self._backpressure = backpressure_config or {}
         self.requests_in_flight = 0
 
-    def resolve(self, model: str | None) -> ModelEntry:
+    def resolve(self, model: str | None) -> ServedModel:
         """The entry of `model`; None names the only configured model when there is one.
 
         Raises:
@@ -214,7 +214,7 @@ class ModelRouter:
         """The deadline of a request starting now, in event-loop time."""
         return asyncio.get_running_loop().time() + self.request_timeout_s
 
-    async def stream(self, entry: ModelEntry, gen_request: GenerationRequest, deadline: float, arrival: float,
+    async def stream(self, entry: ServedModel, gen_request: GenerationRequest, deadline: float, arrival: float,
                      first_deadline: float | None = None) -> AsyncIterator[GenerationDelta]:
         """Deltas from the model (a replica, or the engine in this one). A `ServingError` value
         from the model is raised here; past `deadline` (event-loop time) TIMEOUT is raised;
@@ -284,7 +284,7 @@ class ModelRouter:
                             "model without a token and was removed from its queue; retry later",
                             retry_after_s=constants.RETRY_AFTER_S if retry_after is None else retry_after)
 
-    async def start_stream(self, entry: ModelEntry, gen_request: GenerationRequest, deadline: float,
+    async def start_stream(self, entry: ServedModel, gen_request: GenerationRequest, deadline: float,
                            arrival: float) -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
         """Start generation and wait for its first delta, so errors found before any output
         (context length, bad params) still get a proper status code instead of a 200 stream.
@@ -316,7 +316,7 @@ class ModelRouter:
             return [first], stream
         raise AssertionError("unreachable")
 
-    async def generate_full(self, entry: ModelEntry, gen_request: GenerationRequest, n: int,
+    async def generate_full(self, entry: ServedModel, gen_request: GenerationRequest, n: int,
                             arrival: float) -> "FullGeneration":
         """Non-streamed generation of `n` choices. Nothing reaches the client before the end, so
         a replica failure is retried once."""
@@ -333,7 +333,7 @@ class ModelRouter:
                 raise
         raise AssertionError("unreachable")
 
-    async def score(self, entry: ModelEntry, texts: list[str], max_length: int | None) -> list[float]:
+    async def score(self, entry: ServedModel, texts: list[str], max_length: int | None) -> list[float]:
         """Reward scores of `texts` from a reward model, within the request deadline.
 
         Raises:
