@@ -6,7 +6,7 @@ which serves them on Ray's Prometheus endpoint (`--metrics-export-port`) beside 
 `ray_serve_*` metrics. Ray prefixes every name with `ray_` and counters get `_total`, so
 `lmserve_prompt_tokens` is scraped as `ray_lmserve_prompt_tokens_total`. Names follow vLLM's
 (`vllm:time_to_first_token_seconds`, ...); the engines' own metrics (`ray_vllm_*`,
-`ray_sglang_*`) are exported beside these by `deployments/serve/engine_metrics.py`. Every series
+`ray_sglang_*`) are exported beside these from each model replica (`Engine.export_metrics`). Every series
 carries the labels `model_id` and `backend` (plus Ray's `WorkerId`, `NodeAddress`,
 `SessionName`, ...: sum over them).
 
@@ -19,36 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Literal
 
 from deployments.serve.deployment_defaults import GAUGE_REFRESH_S
 from engines.base import GenerationDelta
-
-LABELS = ("model_id", "backend")
+from engines.metrics import LABELS, MetricSpec
 
 # Buckets in seconds. TTFT spans a GPU prefill (tens of ms) to a CPU replica under load that
 # queues requests for minutes; ITL spans a GPU decode step (ms) to a loaded CPU replica.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """One metric: its Ray name, Prometheus type, unit, labels and meaning."""
-
-    name: str
-    kind: Literal["counter", "gauge", "histogram"]
-    unit: str
-    description: str
-    labels: tuple[str, ...] = LABELS
-    buckets: tuple[float, ...] = ()
-
-    @property
-    def prometheus_name(self) -> str:
-        """The name scraped from Ray's endpoint (`ray_` prefix; counters end in `_total`)."""
-        return "ray_" + self.name + ("_total" if self.kind == "counter" else "")
 
 
 METRICS: tuple[MetricSpec, ...] = (

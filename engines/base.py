@@ -18,6 +18,7 @@ from engines.errors import ServingError
 
 if TYPE_CHECKING:
     from engines.config import EngineConfig
+    from engines.metrics import MetricsExporter
 
 # OpenAI's finish reasons that engines report ("tool_calls" is the ingress's); an engine that
 # drops a request (vLLM's and SGLang's "abort") raises a `ServingError` instead, so a client sees
@@ -307,9 +308,22 @@ class Engine(abc.ABC):
     async def check_health(self) -> None:
         """Return if the engine can serve; raise `ServingError` (UNAVAILABLE) otherwise."""
 
+    async def export_metrics(self, model_id: str, exporter: "MetricsExporter") -> None:
+        """Export what only the engine knows (KV-cache usage, prefix-cache hits, its queue) to
+        `exporter` (`ray.util.metrics` in a replica) until cancelled; call after `start`.
+        Returns at once for engines with nothing to export, or that export through their own
+        means (vLLM's Ray stat logger, given by `for_replica`)."""
+        return None
+
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Release the model and any child processes."""
+
+    @classmethod
+    def for_replica(cls, config: "EngineConfig", model_id: str) -> "Engine":
+        """The (unstarted) engine a serving replica runs for `model_id`: `cls(config)`; a backend
+        whose engine reports its own metrics under the model's name overrides it (vLLM)."""
+        return cls(config)
 
     @abc.abstractmethod
     def model_info(self) -> ModelInfo:

@@ -122,6 +122,13 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str,
     return args
 
 
+# vLLM 0.32's series on the dashboard and in docs/operations.md (`RayPrometheusStatLogger` exports
+# every `vllm:*` series of vLLM's `PrometheusStatLogger`).
+VLLM_PANEL_METRICS = ("ray_vllm_kv_cache_usage_perc", "ray_vllm_prefix_cache_queries_total",
+                      "ray_vllm_prefix_cache_hits_total", "ray_vllm_num_preemptions_total",
+                      "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting")
+
+
 def sampling_arguments(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
     """vLLM `SamplingParams` fields for resolved lmserve params (every field the API takes).
 
@@ -215,6 +222,21 @@ class VLLMEngine(Engine):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    def for_replica(cls, config: EngineConfig, model_id: str) -> "VLLMEngine":
+        """The engine of a Ray Serve replica: it serves as `model_id` (vLLM's `model_name` label)
+        and gets vLLM's own Ray stat logger (`vllm.v1.metrics.ray_wrappers.RayPrometheusStatLogger`,
+        the logger Ray Serve LLM gives vLLM) beside lmserve's. vLLM's `vllm:*` series reach Ray's
+        endpoint with `:` made `_` and Ray's `ray_` prefix (`vllm:kv_cache_usage_perc` ->
+        `ray_vllm_kv_cache_usage_perc`), labelled `model_name`, `engine` (engine core index) and
+        `ReplicaId`. vLLM sets its gauges at each engine step, so an idle replica's gauges drop
+        out once Ray's gauge TTL passes; its counters stay."""
+        try:
+            from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+        except ImportError:  # no vLLM: `start` says how to install it
+            return cls(config, served_model_name=model_id)
+        return cls(config, served_model_name=model_id, stat_loggers=[RayPrometheusStatLogger])
 
     @classmethod
     def check_config(cls, config: EngineConfig) -> None:

@@ -268,15 +268,16 @@ async def build_fake_app(engine: FakeEngine, model_dir: Path, *, model_id: str =
 
     Call it from the event loop that serves the requests; the engine is started here.
     """
-    from deployments.openai.ingress import OpenAIIngress, create_app
-    from deployments.serve.model_client import InProcessClient
+    from deployments.openai.ingress import create_app
+    from deployments.serve.direct_streaming import DirectStreamingServer
 
-    await engine.start()
     entry = {"model_name_or_path": str(model_dir), "infer_backend": engine.capabilities.backend, **(config or {})}
-    ingress = OpenAIIngress.__new__(OpenAIIngress)  # as a direct-streaming replica, engine already built
-    await ingress._setup({model_id: entry}, {model_id: InProcessClient(engine)}, settings, max_requests=max_requests,
-                         backpressure_config=backpressure_config)
-    return create_app(ingress)
+    # a direct-streaming replica around the fake engine, constructed as Ray Serve constructs a
+    # class with an async __init__
+    replica = DirectStreamingServer.__new__(DirectStreamingServer)
+    await replica.__init__(model_id, entry, settings, max_requests=max_requests,
+                           backpressure_config=backpressure_config, engine=engine)
+    return create_app(replica)
 
 
 @contextlib.asynccontextmanager

@@ -1,8 +1,9 @@
-"""The engines' own metrics (deployments/serve/engine_metrics.py), fast: SGLang's `/metrics` text as the
-stand-in serves it (tests/standins/sglang_metrics.py, SGLang's names and labels) and a sample in
-SGLang's documented format, parsed and re-exported into recording stand-ins for Ray's metric
-classes; the vLLM engine's stat loggers; the Grafana panels' engine series. The real exports on
-Ray's endpoint are checked by tests/test_metrics.py (slow)."""
+"""The engines' own metrics (`Engine.export_metrics`, engines/sglang/metrics.py,
+`VLLMEngine.for_replica`), fast: SGLang's `/metrics` text as the stand-in serves it
+(tests/standins/sglang_metrics.py, SGLang's names and labels) and a sample in SGLang's documented
+format, parsed and re-exported into recording stand-ins for Ray's metric classes; the vLLM
+engine's stat loggers; the Grafana panels' engine series. The real exports on Ray's endpoint are
+checked by tests/test_metrics.py (slow)."""
 
 import asyncio
 import json
@@ -12,17 +13,11 @@ from pathlib import Path
 import pytest
 from ray.util import metrics as ray_metrics
 
-from deployments.serve.engine_metrics import (
-    SGLANG_METRICS,
-    VLLM_PANEL_METRICS,
-    SGLangMetricsExporter,
-    create_replica_engine,
-    parse_sglang_metrics,
-    sglang_family,
-    start_engine_metrics,
-)
+from engines import engine_class
 from engines.config import EngineConfig
 from engines.errors import ServingError
+from engines.sglang.metrics import SGLANG_METRICS, SGLangMetricsExporter, parse_sglang_metrics, sglang_family
+from engines.vllm import VLLM_PANEL_METRICS
 from standins.sglang_metrics import ServerMetrics
 
 DASHBOARD = Path(__file__).parent.parent / "k8s" / "grafana" / "lmserve-dashboard.json"
@@ -140,7 +135,7 @@ def test_names_are_sglangs_with_colon_made_underscore():
 
 
 def test_gauges_are_set_and_counters_add_their_increase(recorded):
-    exporter = SGLangMetricsExporter("m", "sglang")
+    exporter = SGLangMetricsExporter("m", "sglang", ray_metrics)
     exporter.export({"sglang_token_usage": {RANK0: 0.5}, "sglang_prompt_tokens": {NO_RANK: 10.0}})
     assert value(recorded, "sglang_token_usage") == 0.5
     assert value(recorded, "sglang_prompt_tokens", rank=NO_RANK) == 10
@@ -177,12 +172,12 @@ def test_a_failing_scrape_is_logged_once_and_the_next_one_exports(recorded, capl
 
     async def scrape():
         engine = FakeSGLang([down, down, ValueError("bad text"), metrics.text(running=1, waiting=0).decode()])
-        task = asyncio.get_running_loop().create_task(SGLangMetricsExporter("m", "sglang").run(engine, 0))
+        task = asyncio.get_running_loop().create_task(SGLangMetricsExporter("m", "sglang", ray_metrics).run(engine, 0))
         await engine.done.wait()
         await asyncio.sleep(0)  # the last scrape's export
         task.cancel()
 
-    with caplog.at_level(logging.INFO, logger="deployments.serve.engine_metrics"):
+    with caplog.at_level(logging.INFO, logger="engines.sglang.metrics"):
         asyncio.run(scrape())
     assert value(recorded, "sglang_token_usage") == 0.5
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -190,22 +185,25 @@ def test_a_failing_scrape_is_logged_once_and_the_next_one_exports(recorded, capl
     assert any("scraped again" in r.getMessage() for r in caplog.records)
 
 
-def test_only_sglang_and_ktransformers_engines_are_scraped():
+def test_only_sglang_and_ktransformers_engines_export_their_servers_metrics():
     from engines.huggingface.engine import HuggingFaceEngine
-    from engines.sglang.ktransformers import KTransformersEngine
     from engines.sglang.engine import SGLangEngine
+    from engines.sglang.ktransformers import KTransformersEngine
 
-    async def start(engine):
-        task = start_engine_metrics("m", engine)
-        if task is not None:
-            task.cancel()
-        return task
+    async def exporting(engine) -> bool:
+        """Whether `export_metrics` keeps running (an unstarted SGLang engine's scrapes fail and
+        are retried) rather than returning at once."""
+        task = asyncio.get_running_loop().create_task(engine.export_metrics("m", ray_metrics))
+        await asyncio.sleep(0.05)
+        running = not task.done()
+        task.cancel()
+        return running
 
-    assert asyncio.run(start(HuggingFaceEngine(EngineConfig()))) is None
-    assert asyncio.run(start(SGLangEngine(EngineConfig(infer_backend="sglang")))) is not None
+    assert not asyncio.run(exporting(HuggingFaceEngine(EngineConfig())))
+    assert asyncio.run(exporting(SGLangEngine(EngineConfig(infer_backend="sglang"))))
     kt = KTransformersEngine(EngineConfig(infer_backend="ktransformers", kt_weight_path="/experts",
                                           kt_method="AMXINT4", kt_cpuinfer=2, kt_num_gpu_experts=0))
-    assert asyncio.run(start(kt)) is not None
+    assert asyncio.run(exporting(kt))
 
 
 def test_an_unstarted_sglang_engine_has_no_metrics_to_give():
@@ -221,7 +219,7 @@ def test_a_vllm_replica_engine_gets_vllms_ray_stat_logger_and_the_model_id_as_it
 
     from engines.vllm import VLLMEngine, engine_arguments
 
-    engine = create_replica_engine("my-model", EngineConfig(infer_backend="vllm"))
+    engine = engine_class("vllm").for_replica(EngineConfig(infer_backend="vllm"), "my-model")
     assert isinstance(engine, VLLMEngine)
     assert engine.stat_loggers == [RayPrometheusStatLogger]
     assert engine.served_model_name == "my-model"
@@ -236,7 +234,7 @@ def test_a_vllm_replica_engine_gets_vllms_ray_stat_logger_and_the_model_id_as_it
 def test_other_backends_get_their_plain_engine():
     from engines.huggingface.engine import HuggingFaceEngine
 
-    assert type(create_replica_engine("m", EngineConfig())) is HuggingFaceEngine
+    assert type(engine_class("huggingface").for_replica(EngineConfig(), "m")) is HuggingFaceEngine
 
 
 def _dashboard_queries() -> dict[str, list[str]]:

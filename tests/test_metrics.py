@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from conftest import METRICS_EXPORT_INTERVAL_S, TEST_API_KEY, metric_names, scrape_metrics
-from deployments.serve.engine_metrics import SGLANG_METRICS
+from engines.sglang.metrics import SGLANG_METRICS
 from deployments.metrics import METRICS
 
 pytestmark = pytest.mark.slow

@@ -29,7 +29,7 @@ from deployments.openai.errors import to_error_response
 from deployments.metrics import ingress_metrics
 from deployments.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from deployments.serve.model_client import InProcessClient, ReplicaClient
-from deployments.serve.model_server import send_package_logs_to_replica_log
+from deployments.replica_log import send_package_logs_to_replica_log
 from deployments.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import logging
 
-from deployments.serve.engine_metrics import create_replica_engine, start_engine_metrics
 from deployments.openai.ingress import OpenAIIngress
+from deployments.replica_log import send_package_logs_to_replica_log
 from deployments.serve.model_client import InProcessClient
-from deployments.serve.model_server import send_package_logs_to_replica_log
+from deployments.serve.model_server import start_replica_engine, stop_replica_engine
+from engines.base import Engine
 from engines.config import EngineConfig
 
 logger = logging.getLogger("ray.serve")
@@ -43,14 +44,16 @@ class DirectStreamingServer(OpenAIIngress):
             engine); more get 503 + `Retry-After` (`ServingError`, OVERLOADED). None = no limit.
         backpressure_config: Ray Serve's `backpressure_config` fields for that answer
             (`status_code` 503 or 429, `retry_after_s`).
+        engine: an unstarted engine to serve instead of the configured backend's (the fast
+            tier serves the fake engine through this class).
     """
 
     async def __init__(self, model_id: str, engine_config: dict, settings: dict | None = None,
-                       max_requests: int | None = None, backpressure_config: dict | None = None):
+                       max_requests: int | None = None, backpressure_config: dict | None = None,
+                       engine: Engine | None = None):
         send_package_logs_to_replica_log()
-        self.engine = create_replica_engine(model_id, EngineConfig.from_dict(engine_config))
-        await self.engine.start()
-        self._engine_metrics = start_engine_metrics(model_id, self.engine)
+        self.engine, self._engine_metrics = await start_replica_engine(
+            model_id, EngineConfig.from_dict(engine_config), engine)
         await self._setup({model_id: engine_config}, {model_id: InProcessClient(self.engine)}, settings,
                           max_requests=max_requests, backpressure_config=backpressure_config)
         self.watch_for_stop()
@@ -62,6 +65,4 @@ class DirectStreamingServer(OpenAIIngress):
         await self.engine.check_health()
 
     async def __del__(self) -> None:
-        if getattr(self, "_engine_metrics", None) is not None:
-            self._engine_metrics.cancel()
-        await self.engine.shutdown()
+        await stop_replica_engine(self.engine, getattr(self, "_engine_metrics", None))

@@ -55,8 +55,12 @@ async def watch_for_stop(router: ModelRouter) -> None:
     again at the next poll."""
     from ray import serve
     from ray.serve.context import _get_global_client
+    from ray.serve.exceptions import RayServeException
 
-    context = serve.get_replica_context()
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:  # not in a Ray Serve replica (the fast tier's replicas): nothing stops it
+        return
     config = getattr(context, "_deployment_config", None)
     grace_s = getattr(config, "graceful_shutdown_timeout_s", None) or RAY_DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S
     loop = asyncio.get_running_loop()

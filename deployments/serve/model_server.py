@@ -4,35 +4,52 @@ A plain class; `deployments.app.build_app` turns it into a deployment. The model
 async constructor, so Ray Serve counts the replica ready only once it can serve (Ray Serve LLM's
 `LLMServer` does the same). Ray Serve calls `check_health` periodically; it delegates to the
 engine, so a dead engine gets its replica replaced. The engine's own metrics (vLLM's, the SGLang
-server's) are exported from here (deployments/serve/engine_metrics.py).
+server's) are exported from here (`Engine.export_metrics`, `Engine.for_replica`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator
 
+from deployments.replica_log import send_package_logs_to_replica_log
 from deployments.serve.deployment_defaults import STREAM_BATCHING_INTERVAL_S
-from deployments.serve.engine_metrics import create_replica_engine, start_engine_metrics
 from deployments.serve.stream_batching import batch_stream
-from engines.base import GenerationDelta, GenerationRequest, ModelInfo
+from engines import engine_class
+from engines.base import Engine, GenerationDelta, GenerationRequest, ModelInfo
 from engines.config import EngineConfig
 from engines.errors import ServingError
 
 logger = logging.getLogger("ray.serve")
 
 
-def send_package_logs_to_replica_log() -> None:
-    """Write the `engines` and `deployments` loggers' records (INFO and up; e.g. an SGLang server
-    child's output, the unknown request fields `deployments.openai.protocol` ignores) to this replica's
-    log file: Ray Serve writes only its own `ray.serve` logger there."""
-    for name in ("engines", "deployments"):
-        package_log = logging.getLogger(name)
-        package_log.setLevel(logging.INFO)
-        package_log.propagate = False
-        for handler in logger.handlers:
-            if handler not in package_log.handlers:
-                package_log.addHandler(handler)
+async def start_replica_engine(model_id: str, config: EngineConfig,
+                               engine: Engine | None = None) -> tuple[Engine, asyncio.Task]:
+    """Start the engine of a replica serving `model_id` and the export of its own metrics to
+    Ray's (`Engine.export_metrics`; cancel the task to stop it).
+
+    Args:
+        engine: an unstarted engine to serve (tests pass a fake one); default: the configured
+            backend's (`Engine.for_replica`).
+    Raises:
+        ModelLoadError: from the engine's start.
+    """
+    from ray.util import metrics as ray_metrics
+
+    if engine is None:
+        engine = engine_class(config.infer_backend).for_replica(config, model_id)
+    await engine.start()
+    task = asyncio.get_running_loop().create_task(engine.export_metrics(model_id, ray_metrics),
+                                                  name=f"lmserve-engine-metrics-{model_id}")
+    return engine, task
+
+
+async def stop_replica_engine(engine: Engine, metrics_task: asyncio.Task | None) -> None:
+    """Stop what `start_replica_engine` started."""
+    if metrics_task is not None:
+        metrics_task.cancel()
+    await engine.shutdown()
 
 
 class ModelServer:
@@ -41,16 +58,16 @@ class ModelServer:
     Args:
         model_id: the OpenAI `model` name this deployment answers to.
         engine_config: the engine's config, as a mapping or an `EngineConfig`.
+        engine: an unstarted engine to serve instead of the configured backend's (tests pass
+            the fake engine, as Ray Serve LLM's `LLMServer` takes an `engine_cls`).
     """
 
-    async def __init__(self, model_id: str, engine_config: dict | EngineConfig):
+    async def __init__(self, model_id: str, engine_config: dict | EngineConfig, engine: Engine | None = None):
         send_package_logs_to_replica_log()
         self.model_id = model_id
         self.config = (engine_config if isinstance(engine_config, EngineConfig)
                        else EngineConfig.from_dict(engine_config))
-        self.engine = create_replica_engine(model_id, self.config)
-        await self.engine.start()
-        self._engine_metrics = start_engine_metrics(model_id, self.engine)
+        self.engine, self._engine_metrics = await start_replica_engine(model_id, self.config, engine)
         logger.info("model %r ready on backend %s", model_id, self.config.infer_backend)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[GenerationDelta] | ServingError]:
@@ -83,6 +100,4 @@ class ModelServer:
         await self.engine.check_health()
 
     async def __del__(self) -> None:
-        if getattr(self, "_engine_metrics", None) is not None:
-            self._engine_metrics.cancel()
-        await self.engine.shutdown()
+        await stop_replica_engine(self.engine, getattr(self, "_engine_metrics", None))

@@ -51,6 +51,8 @@ from engines.sglang.launch import (
     server_device,
     server_env,
 )
+from engines.metrics import MetricsExporter
+from engines.sglang.metrics import SGLangMetricsExporter
 from engines.sglang.server_process import ServerProcess, free_port
 from engines.sglang.wire import StreamParser, error_message, generate_payload
 
@@ -212,9 +214,14 @@ class SGLangEngine(Engine):
         if client is not None:
             await client.aclose()
 
+    async def export_metrics(self, model_id: str, exporter: MetricsExporter) -> None:
+        """Re-export the server's own metrics (`SGLANG_METRICS`, engines/sglang/metrics.py) to
+        `exporter` every second until cancelled."""
+        await SGLangMetricsExporter(model_id, self.config.infer_backend, exporter).run(self)
+
     async def server_metrics(self) -> str:
         """The server's own Prometheus text (`GET /metrics`: SGLang's `sglang:*` series, served
-        with `--enable-metrics`), which `deployments/serve/engine_metrics.py` re-exports.
+        with `--enable-metrics`), which `export_metrics` re-exports.
 
         Raises:
             ServingError: UNAVAILABLE when the server is not running, does not answer within

@@ -1,6 +1,6 @@
 """STAND-IN for SGLang's `GET /metrics` (`--enable-metrics`), used by tests/standins/sglang_server.py.
 
-The series lmserve re-exports (deployments/serve/engine_metrics.py, `SGLANG_METRICS`) plus one
+The series lmserve re-exports (engines/sglang/metrics.py, `SGLANG_METRICS`) plus one
 histogram, under SGLang 0.5.23's names, types, help texts and labels
 (`python/sglang/srt/metrics/collector.py`: `SchedulerMetricsCollector` labels `model_name`,
 `engine_type`, `tp_rank`, `pp_rank`, `moe_ep_rank`; `TokenizerMetricsCollector` labels

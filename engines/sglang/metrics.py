@@ -1,25 +1,13 @@
-"""The engines' own metrics, exported through Ray's metrics beside lmserve's (deployments/metrics.py).
+"""The SGLang server's own metrics, re-exported beside lmserve's (sglang and ktransformers backends).
 
-lmserve's metrics are measured at the ingress and are the same for every backend; what only the
-engine knows (KV-cache usage, prefix-cache hits, preemptions, its queue) comes from the engine's
-own metrics, exported from the `ModelServer` replica that runs it:
-
-- `vllm`: vLLM's own Ray stat logger (`vllm.v1.metrics.ray_wrappers.RayPrometheusStatLogger`,
-  the logger Ray Serve LLM gives vLLM) is handed to `AsyncLLM` beside lmserve's. vLLM's
-  `vllm:*` names reach Ray's endpoint with `:` made `_` and Ray's `ray_` prefix
-  (`vllm:kv_cache_usage_perc` -> `ray_vllm_kv_cache_usage_perc`), with vLLM's labels
-  `model_name` (vLLM's `served_model_name`, set to lmserve's model ID), `engine` (engine core
-  index) and `ReplicaId` (the Serve replica). vLLM sets its gauges at each engine step, so
-  an idle replica's gauges drop out once Ray's gauge TTL passes; its counters stay.
-- `sglang`, `ktransformers`: the SGLang server child is launched with `--enable-metrics`; its
-  `GET /metrics` (Prometheus text, `sglang:*`) is scraped every `GAUGE_REFRESH_S` seconds and
-  the series in `SGLANG_METRICS` are re-exported under the same names with `:` made `_`
-  (`sglang:token_usage` -> `ray_sglang_token_usage`, `sglang:prompt_tokens_total` ->
-  `ray_sglang_prompt_tokens_total`), labelled `model_id`, `backend` and SGLang's `tp_rank`,
-  `pp_rank`, `dp_rank` (empty where SGLang has none), summed over SGLang's other labels
-  (`cache_source`, ...). Counters are re-exported as the increase since the previous scrape.
-
-Ray adds its own labels to every series (`WorkerId`, `NodeAddress`, `SessionName`, ...).
+The server child is launched with `--enable-metrics`; its `GET /metrics` (Prometheus text,
+`sglang:*`) is scraped every `SCRAPE_INTERVAL_S` seconds and the series in `SGLANG_METRICS` are
+re-exported under the same names with `:` made `_` (`sglang:token_usage` -> `sglang_token_usage`,
+scraped from Ray's endpoint as `ray_sglang_token_usage`), labelled `model_id`, `backend` and
+SGLang's `tp_rank`, `pp_rank`, `dp_rank` (empty where SGLang has none), summed over SGLang's other
+labels (`cache_source`, ...). Counters are re-exported as the increase since the previous scrape.
+Where they go is the caller's `MetricsExporter` (Ray's metrics in a replica), so this module does
+not import Ray.
 """
 
 from __future__ import annotations
@@ -28,14 +16,13 @@ import asyncio
 import logging
 from typing import Any
 
-from deployments.serve.deployment_defaults import GAUGE_REFRESH_S
-from deployments.metrics import LABELS, MetricSpec
-from engines import create_engine
-from engines.base import Engine
-from engines.config import EngineConfig
 from engines.errors import ServingError
+from engines.metrics import LABELS, MetricsExporter, MetricSpec
 
 logger = logging.getLogger(__name__)
+
+# Often enough that Ray keeps the gauges (it drops one not set again within two export intervals).
+SCRAPE_INTERVAL_S = 1.0
 
 # SGLang's scheduler labels each series with its rank; lmserve keeps these and sums over the rest.
 SGLANG_RANK_LABELS = ("tp_rank", "pp_rank", "dp_rank")
@@ -63,12 +50,6 @@ SGLANG_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("sglang_num_retracted_requests", "counter", "requests", "Requests retracted (preempted).",
                _SGLANG),
 )
-
-# vLLM 0.32's series on the dashboard and in docs/operations.md (`RayPrometheusStatLogger` exports
-# every `vllm:*` series of vLLM's `PrometheusStatLogger`).
-VLLM_PANEL_METRICS = ("ray_vllm_kv_cache_usage_perc", "ray_vllm_prefix_cache_queries_total",
-                      "ray_vllm_prefix_cache_hits_total", "ray_vllm_num_preemptions_total",
-                      "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting")
 
 SampleKey = tuple[str, ...]  # values of SGLANG_RANK_LABELS
 
@@ -131,19 +112,18 @@ def parse_sglang_metrics(text: str) -> dict[str, dict[SampleKey, float]]:
 
 
 class SGLangMetricsExporter:
-    """Re-exports an SGLang server's metrics as Ray metrics (see the module docstring).
+    """Re-exports an SGLang server's metrics (see the module docstring).
 
     Args:
         model_id, backend: lmserve's labels for every series.
+        exporter: where the series go (`engines.metrics.MetricsExporter`; `ray.util.metrics` in a replica).
     """
 
-    def __init__(self, model_id: str, backend: str):
-        from ray.util import metrics as ray_metrics
-
+    def __init__(self, model_id: str, backend: str, exporter: MetricsExporter):
         self.labels = {"model_id": model_id, "backend": backend}
         self._metrics: dict[str, Any] = {}
         for spec in SGLANG_METRICS:
-            cls = ray_metrics.Counter if spec.kind == "counter" else ray_metrics.Gauge
+            cls = exporter.Counter if spec.kind == "counter" else exporter.Gauge
             self._metrics[spec.name] = cls(spec.name, spec.description, spec.labels)
         self._kinds = {spec.name: spec.kind for spec in SGLANG_METRICS}
         self._counted: dict[tuple[str, SampleKey], float] = {}
@@ -164,7 +144,7 @@ class SGLangMetricsExporter:
                 if increase > 0:
                     metric.inc(increase, tags)
 
-    async def run(self, engine: Any, interval_s: float = GAUGE_REFRESH_S) -> None:
+    async def run(self, engine: Any, interval_s: float = SCRAPE_INTERVAL_S) -> None:
         """Scrape `engine.server_metrics()` and export, every `interval_s` seconds, until
         cancelled. Often enough that Ray keeps the gauges (it drops one not set again within
         two export intervals). A failed scrape is logged once per run of failures."""
@@ -181,30 +161,3 @@ class SGLangMetricsExporter:
                                    self.labels["model_id"], exc, interval_s)
                 failing = True
             await asyncio.sleep(interval_s)
-
-
-def create_replica_engine(model_id: str, config: EngineConfig) -> Engine:
-    """The (unstarted) engine for a `ModelServer` replica: `create_engine(config)`, except that
-    a vLLM engine also gets vLLM's Ray stat logger and serves as `model_id` (vLLM's
-    `model_name` label)."""
-    if config.infer_backend == "vllm":
-        from engines.vllm import VLLMEngine
-
-        try:
-            from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
-        except ImportError:  # no vLLM: the engine's start says how to install it
-            return VLLMEngine(config, served_model_name=model_id)
-        return VLLMEngine(config, served_model_name=model_id, stat_loggers=[RayPrometheusStatLogger])
-    return create_engine(config)
-
-
-def start_engine_metrics(model_id: str, engine: Engine) -> asyncio.Task | None:
-    """Start re-exporting a started engine's server metrics (SGLang and KTransformers engines),
-    on the running loop; None for engines that export their own (vLLM) or have none.
-    Cancel the task to stop."""
-    from engines.sglang.engine import SGLangEngine
-
-    if not isinstance(engine, SGLangEngine):
-        return None
-    exporter = SGLangMetricsExporter(model_id, engine.config.infer_backend)
-    return asyncio.get_running_loop().create_task(exporter.run(engine))
