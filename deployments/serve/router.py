@@ -14,7 +14,7 @@ import asyncio
 import copy
 import logging
 from contextlib import contextmanager
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 from fastapi import Request
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -31,6 +31,7 @@ from engines.errors import ErrorKind, ServingError
 from engines.prompt.renderer import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
 
 
 def served_model_ids(model_id: str, config: EngineConfig) -> dict[str, str | None]:
@@ -111,7 +112,7 @@ def check_route(entry: ServedModel, scoring: bool) -> None:
 
 def check_capabilities(entry: ServedModel, req: SamplingFields) -> None:
     """Refuse (NOT_SUPPORTED), naming feature and backend, what the request needs and the
-    backend's `Capabilities` lack (every flag a request can ask for; engines/capabilities.py
+    backend's `Capabilities` lack (every flag a request can ask for; docs/backends.md
     lists them); a reward model is refused first (`check_route`)."""
     check_route(entry, scoring=False)
     caps = entry.capabilities
@@ -300,38 +301,28 @@ class ModelRouter:
         """
         first_deadline = (None if self.queue_timeout_s is None
                           else asyncio.get_running_loop().time() + self.queue_timeout_s)
-        for attempt in (1, 2):
+
+        async def attempt() -> tuple[list[GenerationDelta], AsyncIterator[GenerationDelta]]:
             stream = self.stream(entry, gen_request, deadline, arrival, first_deadline)
             try:
                 with _ray_serve_errors():
-                    first = await stream.__anext__()
+                    return [await stream.__anext__()], stream
             except StopAsyncIteration:
                 return [], stream
-            except Exception as exc:
-                if attempt == 1 and is_replica_failure(exc):
-                    logger.warning("request %s: replica failed before any output (%s); retrying once",
-                                   gen_request.request_id, type(exc).__name__)
-                    continue
-                raise
-            return [first], stream
-        raise AssertionError("unreachable")
+
+        return await _retry_once_on_replica_failure(attempt, gen_request.request_id, "before any output")
 
     async def generate_full(self, entry: ServedModel, gen_request: GenerationRequest, n: int,
                             arrival: float) -> "FullGeneration":
         """Non-streamed generation of `n` choices. Nothing reaches the client before the end, so
         a replica failure is retried once."""
         deadline = self.deadline()
-        for attempt in (1, 2):
-            try:
-                first, stream = await self.start_stream(entry, gen_request, deadline, arrival)
-                return await _collect(n, first, stream)
-            except Exception as exc:
-                if attempt == 1 and is_replica_failure(exc):
-                    logger.warning("request %s: replica failed mid-generation (%s); retrying once",
-                                   gen_request.request_id, type(exc).__name__)
-                    continue
-                raise
-        raise AssertionError("unreachable")
+
+        async def attempt() -> FullGeneration:
+            first, stream = await self.start_stream(entry, gen_request, deadline, arrival)
+            return await _collect(n, first, stream)
+
+        return await _retry_once_on_replica_failure(attempt, gen_request.request_id, "mid-generation")
 
     async def score(self, entry: ServedModel, texts: list[str], max_length: int | None) -> list[float]:
         """Reward scores of `texts` from a reward model, within the request deadline.
@@ -348,6 +339,19 @@ class ModelRouter:
         if isinstance(result, ServingError):
             raise result
         return result
+
+
+async def _retry_once_on_replica_failure(attempt: Callable[[], Awaitable[T]], request_id: str, when: str) -> T:
+    """`await attempt()`, once more if it failed because its replica died (`is_replica_failure`):
+    only for calls of which nothing has reached the client yet. Other errors, and the second
+    attempt's, are raised."""
+    try:
+        return await attempt()
+    except Exception as exc:
+        if not is_replica_failure(exc):
+            raise
+        logger.warning("request %s: replica failed %s (%s); retrying once", request_id, when, type(exc).__name__)
+    return await attempt()
 
 
 @contextmanager
