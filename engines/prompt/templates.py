@@ -47,7 +47,6 @@ Slot = str | dict[str, str]  # text with {{content}}/{{idx}}, {"token": t} or {"
 # SGLang's behaviour), not read into LLaMA-Factory's slots.
 TOKENIZER_TEMPLATE = "tokenizer"
 REASONING_CLASSES = ("ReasoningTemplate", "Glm47ReasoningTemplate")
-_PLACEHOLDER = re.compile(r"\{\{[a-zA-Z_][a-zA-Z0-9_]*\}\}")
 
 
 class TemplateError(ValueError):
@@ -391,11 +390,3 @@ def parse_template(tokenizer: Any) -> ChatTemplate:
 def is_template_name(value: str) -> bool:
     """True when `value` is meant as a template name: not Jinja, not a file path."""
     return not ("{%" in value or "{{" in value) and "/" not in value and not value.endswith((".jinja", ".j2"))
-
-
-def check_placeholders(template: ChatTemplate) -> None:
-    """Raise TemplateError when a role's slots have no placeholder (LLaMA-Factory's
-    `StringFormatter` refuses such templates at registration)."""
-    for role in ("format_user", "format_assistant", "format_system", "format_observation"):
-        if not any(isinstance(s, str) and _PLACEHOLDER.search(s) for s in getattr(template, role)):
-            raise TemplateError(f"template {template.name!r}: {role} has no placeholder")
