@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -33,6 +34,7 @@ from deployments.openai.serving import OpenAIServing, json_response, usage_info
 from deployments.settings import IngressSettings
 from deployments.openai.sse import sse_event
 from engines.prompt.tool_calls import ToolCallParser, ToolCallStreamer, parse_tool_calls, parser_for
+from engines.prompt.tool_formats import FunctionCall
 from engines.base import GenerationDelta, GenerationRequest, MediaInput, TokenLogprob
 from engines.errors import ServingError
 from engines.prompt.media import ImageLoader, image_parts
@@ -86,7 +88,7 @@ class ChatServing(OpenAIServing):
         for i in range(body.n):
             parse = parser_for(entry.renderer.template) or parse_tool_calls
             content, calls = parse(full.texts[i]) if body.tools_enabled else (full.texts[i], [])
-            tool_calls = {"tool_calls": [c.to_openai() for c in calls]} if calls else {}  # no `"tool_calls": null`
+            tool_calls = {"tool_calls": [tool_call_json(c) for c in calls]} if calls else {}  # no `"tool_calls": null`
             message = ChatCompletionMessage(role="assistant", content=content, **tool_calls)
             choices.append(ChatCompletionChoice(
                 index=i, message=message, logprobs=chat_logprobs(full.logprobs[i]),
@@ -173,8 +175,9 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
             out = []
             if text:
                 out.append(chunk([choice(delta.index, ChoiceDelta(content=text))]))
-            out.append(chunk([choice(delta.index, ChoiceDelta(tool_calls=[c.to_openai(k) for k, c in enumerate(calls)]),
-                                     finish_reason="tool_calls", stop_reason=delta.stop_reason)]))
+            tool_calls = [tool_call_json(c, k) for k, c in enumerate(calls)]
+            out.append(chunk([choice(delta.index, ChoiceDelta(tool_calls=tool_calls), finish_reason="tool_calls",
+                                     stop_reason=delta.stop_reason)]))
             return out
         if text or finish or delta.logprobs:
             return [chunk([choice(delta.index, ChoiceDelta(content=text), chat_logprobs(delta.logprobs), finish,
@@ -192,6 +195,16 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
             yield text
     if include_usage and usage is not None:
         yield chunk([], usage_info(usage))
+
+
+def tool_call_json(call: FunctionCall, index: int | None = None) -> dict:
+    """OpenAI's `tool_calls` entry for a parsed call, with a fresh id (`call_` + 24 hex digits,
+    as vLLM's tool parsers make them); `index` for a streamed delta."""
+    out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments}}
+    if index is not None:
+        out["index"] = index
+    return out
 
 
 def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:

@@ -7,7 +7,8 @@ Formats recognised (those the chat templates of common model families teach thei
   {...}}` or a JSON list of such objects, optionally after `<|python_tag|>`;
 - Mistral style: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
 Output that matches none of them stays plain content. As in vLLM's tool parsers, arguments are
-returned as a JSON string.
+returned as a JSON string; calls are `FunctionCall`s (LLaMA-Factory's name), which the chat
+serving gives their OpenAI `id`.
 
 A model served with a LLaMA-Factory template writes calls in its template's tool format:
 `parser_for(template)` reads them with that format's extractor (`engines/prompt/tool_formats.py`), as
@@ -18,12 +19,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from engines.prompt.templates import ChatTemplate
-from engines.prompt.tool_formats import get_tool_format
+from engines.prompt.tool_formats import FunctionCall, get_tool_format
 
 _TAG_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
@@ -31,22 +30,7 @@ _PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
 _OPENERS = ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]")
 
 
-@dataclass
-class ParsedToolCall:
-    """One call: `name` and `arguments` (a JSON string), with an OpenAI-style `id`."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def to_openai(self, index: int | None = None) -> dict:
-        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            out["index"] = index
-        return out
-
-
-def _as_call(obj: object) -> ParsedToolCall | None:
+def _as_call(obj: object) -> FunctionCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     if "function" in obj and isinstance(obj["function"], dict):  # {"type": "function", "function": {...}}
@@ -56,11 +40,11 @@ def _as_call(obj: object) -> ParsedToolCall | None:
         try:
             args = json.loads(args)
         except json.JSONDecodeError:
-            return ParsedToolCall(obj["name"], args)
-    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+            return FunctionCall(obj["name"], args)
+    return FunctionCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _calls_from_json(text: str) -> list[ParsedToolCall] | None:
+def _calls_from_json(text: str) -> list[FunctionCall] | None:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -70,7 +54,7 @@ def _calls_from_json(text: str) -> list[ParsedToolCall] | None:
     return calls if calls and all(calls) else None
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
+def parse_tool_calls(text: str) -> tuple[str | None, list[FunctionCall]]:
     """Split complete model output into (content, tool calls).
 
     Returns the text unchanged and no calls when it holds no well-formed tool call.
@@ -95,7 +79,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
     return text, []
 
 
-ToolCallParser = Callable[[str], tuple[str | None, list[ParsedToolCall]]]
+ToolCallParser = Callable[[str], tuple[str | None, list[FunctionCall]]]
 
 
 def parser_for(template: ChatTemplate | None) -> ToolCallParser | None:
@@ -106,11 +90,11 @@ def parser_for(template: ChatTemplate | None) -> ToolCallParser | None:
         return None
     extractor = get_tool_format(template.tool_format or "default")
 
-    def parse(text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    def parse(text: str) -> tuple[str | None, list[FunctionCall]]:
         result = extractor.extract_tool_calls(text)
         if isinstance(result, str) or not result:
             return text, []
-        return None, [ParsedToolCall(call.name, call.arguments) for call in result]
+        return None, list(result)
 
     return parse
 
@@ -154,7 +138,7 @@ class ToolCallStreamer:
         self._held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[:len(buffer) - keep] if keep else buffer
 
-    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+    def finish(self) -> tuple[str, list[FunctionCall]]:
         held, self._held = self._held, ""
         if not held:
             return "", []
