@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deployments.serve import deployment_defaults as constants
 from deployments.serve.deployment_defaults import INGRESS_DEPLOYMENT_DEFAULTS, MODEL_DEPLOYMENT_DEFAULTS
 from deployments.serve.deployment_options import DeploymentOptions
-from deployments.settings import IngressSettings, direct_streaming_env, settings
+from deployments.settings import IngressArgs, IngressSettings, direct_streaming_env, settings
 from engines import engine_class
 from engines.config import ConfigError, EngineConfig, format_validation_error
 
@@ -41,35 +41,13 @@ class ModelEntry(BaseModel):
         return EngineConfig.from_dict(dict(self.model_extra or {}), source=source)
 
 
-class AppArgs(BaseModel):
-    """`args` of the application in serve_config.yaml."""
+class AppArgs(IngressArgs):
+    """`args` of the application in serve_config.yaml: the models, and how they are served;
+    the ingress settings are `IngressArgs`' fields (`deployments.settings.IngressFields`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     models: list[ModelEntry] = Field(..., min_length=1, description="The models served, at least one.")
-    api_keys: list[str] | None = Field(
-        None, description="Accepted API keys; default: `api_key_file`, else `$API_KEY_FILE`, else `$API_KEY`. "
-        "Ray Serve logs application arguments: prefer a key file or the environment.")
-    api_key_file: str | None = Field(None, description="A file with one accepted API key per line.")
-    cors_allow_origins: list[str] | None = Field(
-        None, description="Origins allowed by CORS; default: `LMSERVE_CORS_ALLOW_ORIGINS`, else CORS off.")
-    max_request_body_bytes: int | None = Field(
-        None, description="Larger request bodies get 413 (bytes); default: `LMSERVE_MAX_REQUEST_BODY_BYTES`.")
-    request_timeout_s: float | None = Field(
-        None, description="A request still generating after this long (seconds) is ended with a 504 or an "
-        "error event; default: `LMSERVE_REQUEST_TIMEOUT_S`.")
-    client_read_timeout_s: float | None = Field(
-        None, gt=0, description="A streaming client that reads nothing for this long (seconds) loses its stream "
-        "and its generation; default: `LMSERVE_CLIENT_READ_TIMEOUT_S`.")
-    queue_timeout_s: float | None = Field(
-        None, ge=0, description="A request that has had no token this long (seconds) after it reached the model "
-        "gets 503 + `Retry-After` and leaves the engine's queue; 0: no bound but `request_timeout_s`; default: "
-        "`LMSERVE_QUEUE_TIMEOUT_S`.")
-    log_prompts: bool | None = Field(
-        None, description="Debug only: log prompts and completions; default: `LMSERVE_LOG_PROMPTS`.")
-    media: dict[str, Any] | None = Field(
-        None, description="`MediaSettings` fields (where images may come from, and their limits); "
-        "unset ones from their `LMSERVE_` variables.")
     ingress_deployment: DeploymentOptions = Field(
         default_factory=dict, description="Ray Serve deployment options of the ingress, merged over its "
         "defaults (one replica, `max_ongoing_requests: 1000`, no CPU reserved). Checked against Ray "
@@ -80,11 +58,12 @@ class AppArgs(BaseModel):
         "deployment); default: `LMSERVE_DIRECT_STREAMING`, else off.")
 
     def ingress_settings(self) -> dict[str, Any]:
-        """The `IngressSettings` fields that are set here; the rest come from the environment
-        of the ingress replica."""
-        fields = ("api_keys", "api_key_file", "cors_allow_origins", "max_request_body_bytes",
-                  "request_timeout_s", "client_read_timeout_s", "queue_timeout_s", "log_prompts", "media")
-        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        """The `IngressSettings` fields that are set here (`media`: the `MediaSettings` fields
+        set here); the rest come from the environment of the ingress replica."""
+        values = {name: getattr(self, name) for name in IngressArgs.model_fields if getattr(self, name) is not None}
+        if self.media is not None:
+            values["media"] = self.media.model_dump(exclude_unset=True)
+        return values
 
 
 def deep_merge(base: dict, override: dict) -> dict:

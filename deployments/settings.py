@@ -1,6 +1,7 @@
 """lmserve's environment variables (`Settings`, read once per process by `settings()`) and the
-settings of the OpenAI ingress (`IngressSettings`: from the application's `args`, else from
-`Settings`).
+settings of the OpenAI ingress, declared once (`IngressFields`) and seen three ways: as
+variables (part of `Settings`), as optional keys of the application's `args` (`IngressArgs`),
+and as what the ingress replica uses (`IngressSettings`: the `args` set, else `Settings`).
 
 Every variable is `LMSERVE_<FIELD>` (the media limits are `MediaSettings`' fields, same prefix),
 except those of `llamafactory-cli api` (`API_KEY`, `API_KEY_FILE`, `API_HOST`, `API_PORT`,
@@ -17,24 +18,80 @@ Ray starts the replica with (on a local cluster: that of the process that starte
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engines.prompt.media import MediaSettings
 
 
 def _split_commas(value: object) -> object:
-    """`"a, b"` -> `["a", "b"]` (comma-separated lists in the environment and in `args`)."""
+    """`"a, b"` -> `["a", "b"]` (comma-separated lists in the environment; `IngressSettings` takes
+    them too, `AppArgs` only lists)."""
     return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
 
 
-class Settings(BaseSettings):
+class IngressFields(BaseModel):
+    """The settings of the ingress (how it treats HTTP requests), each declared here once: its
+    type, constraint, default and description. The other views are built from these fields, so
+    they cannot drift apart:
+
+    - `Settings` (subclass): each is an environment variable, `LMSERVE_` + the name in
+      capitals, except the API keys' (`API_KEY`, `API_KEY_FILE`: LLaMA-Factory's names, the
+      fields' `validation_alias`); the defaults below are the variables' defaults.
+    - `IngressArgs` (`create_model`): each is an optional key of the application's `args`
+      (`deployments.app.AppArgs`), by its field name; None = unset.
+    - `IngressSettings` (subclass): what the ingress replica uses, the `args` set, else
+      `Settings` on the replica.
+    """
+
+    api_keys: Annotated[list[str] | None, NoDecode] = Field(
+        None, validation_alias=AliasChoices("API_KEY"),
+        description="Accepted API keys (Bearer tokens): a list in `args`, comma-separated in `API_KEY` "
+        "(LLaMA-Factory's variable). The ingress takes `args.api_keys`, else the file `args.api_key_file`, "
+        "else the file `$API_KEY_FILE`, else `$API_KEY`; with no key from any source the API is open. Ray "
+        "Serve logs application arguments: prefer a key file or the environment.")
+    api_key_file: str | None = Field(
+        None, validation_alias=AliasChoices("API_KEY_FILE"),
+        description="A file with one accepted API key per line, read by the ingress replica when `args` "
+        "names no `api_keys` (see `api_keys` for the order of the sources).")
+    cors_allow_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Origins allowed by CORS (a list in `args`, comma-separated in the "
+        "variable); empty: CORS off.")
+    max_request_body_bytes: int = Field(
+        10 * 1024 * 1024, gt=0, description="Larger request bodies get 413 (bytes).")
+    request_timeout_s: float = Field(
+        600, gt=0, description="A request still generating after this long (seconds) is ended with a 504, "
+        "or an error event in a stream.")
+    client_read_timeout_s: float = Field(
+        30, gt=0, description="A streaming client that reads nothing for this long (seconds), once the "
+        "socket's and the proxies' buffers are full, loses its stream: the connection is closed and the "
+        "generation stopped.")
+    queue_timeout_s: float = Field(
+        60, ge=0, description="A request that has had no token this long (seconds) after it reached the model "
+        "(waiting behind a full batch) gets 503 + `Retry-After` and leaves the engine's queue, so its client "
+        "can try another replica; 0 = no bound but `request_timeout_s`. The default, 60 s, is above what a "
+        "request waits on a loaded CPU replica for normal prompts: a batch slot frees when one of the "
+        "running requests ends, within one `max_new_tokens` (1024) of decode steps (tens of ms each on a "
+        "CPU).")
+    log_prompts: bool = Field(False, description="Debug only: log prompts and completions.")
+    media: MediaSettings = Field(
+        default_factory=MediaSettings, description="Where image_url content parts may come from, and their "
+        "limits: the `MediaSettings` fields, each its own `LMSERVE_` variable; in `args` a mapping of some "
+        "of them, the rest from their variables.")
+
+    _split = field_validator("api_keys", "cors_allow_origins", mode="before")(_split_commas)
+
+
+class Settings(BaseSettings, IngressFields):
     """The environment variables of lmserve, one field each (`LMSERVE_` + the field's name in
-    capitals). An unset or empty variable leaves the default.
+    capitals, or the field's `validation_alias`): the ingress settings (`IngressFields`) and
+    those below. An unset or empty variable leaves the default.
 
     Raises:
         pydantic.ValidationError: a variable whose value does not parse, naming it.
@@ -65,33 +122,6 @@ class Settings(BaseSettings):
         50, ge=0, description="Deltas are grouped for this long (ms) before they cross from a model replica "
         "to the ingress; the first delta of a request goes at once (Ray Serve LLM groups for 50 ms). "
         "Read by each model replica.")
-    cors_allow_origins: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Origins allowed by CORS, comma-separated; empty: CORS off. "
-        "Default of `args.cors_allow_origins`.")
-    max_request_body_bytes: int = Field(
-        10 * 1024 * 1024, gt=0, description="Larger request bodies get 413 (bytes). "
-        "Default of `args.max_request_body_bytes`.")
-    request_timeout_s: float = Field(
-        600, gt=0, description="A request still generating after this long (seconds) is ended with a 504, "
-        "or an error event in a stream. Default of `args.request_timeout_s`.")
-    client_read_timeout_s: float = Field(
-        30, gt=0, description="A streaming client that reads nothing for this long (seconds), once the "
-        "socket's and the proxies' buffers are full, loses its stream: the connection is closed and the "
-        "generation stopped. Default of `args.client_read_timeout_s`.")
-    queue_timeout_s: float = Field(
-        60, ge=0, description="A request that has had no token this long (seconds) after it reached the "
-        "model gets 503 + `Retry-After` and leaves the engine's queue; 0: no bound but `request_timeout_s`. "
-        "Default of `args.queue_timeout_s`.")
-    log_prompts: bool = Field(
-        False, description="Debug only: log prompts and completions. Default of `args.log_prompts`.")
-    api_key: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, validation_alias=AliasChoices("API_KEY"),
-        description="`API_KEY` (LLaMA-Factory's name): accepted API keys, comma-separated, used when "
-        "`args` names none and `API_KEY_FILE` is unset. With no key from any source the API is open.")
-    api_key_file: Path | None = Field(
-        None, validation_alias=AliasChoices("API_KEY_FILE"),
-        description="`API_KEY_FILE`: a file with one accepted API key per line, used when `args` names "
-        "no keys nor key file.")
     api_host: str = Field(
         "0.0.0.0", validation_alias=AliasChoices("API_HOST"),
         description="`API_HOST` (LLaMA-Factory's name): the address `lmserve api` listens on.")
@@ -130,11 +160,6 @@ class Settings(BaseSettings):
         "127.0.0.1", description="HAProxy: the address its stats page (`RAY_SERVE_HAPROXY_STATS_PORT`) and "
         "Prometheus endpoint (`RAY_SERVE_HAPROXY_METRICS_PORT`) listen on; `*` = every interface (they have no "
         "authentication).")
-    media: MediaSettings = Field(
-        default_factory=MediaSettings, description="Where image_url content parts may come from, and their "
-        "limits (`MediaSettings`: each field its own `LMSERVE_` variable).")
-
-    _split = field_validator("cors_allow_origins", "api_key", mode="before")(_split_commas)
 
 
 @functools.cache
@@ -150,53 +175,32 @@ def direct_streaming_env(default: bool) -> bool:
     return default if value is None else value
 
 
-class IngressSettings(BaseModel):
-    """How the ingress treats HTTP requests: the fields set in the application's `args`, the rest
-    from `Settings` on the replica.
+# Not taken from `Settings` by `IngressSettings`: see `resolve_api_keys`.
+_API_KEY_FIELDS = ("api_keys", "api_key_file")
 
-    API keys come from `api_keys`, else the file `api_key_file` (one key per line), else the
-    file `$API_KEY_FILE`, else `$API_KEY` (LLaMA-Factory's variable; comma-separated for
-    several). With none, the API is open. Prefer the file or the environment over
-    `api_keys`: Ray Serve logs application arguments.
+
+class IngressSettings(IngressFields):
+    """How the ingress treats HTTP requests (`IngressFields`): the fields set in the
+    application's `args`, the rest from `Settings` on the replica (its environment).
+
+    The API keys are the exception: `api_keys` and `api_key_file` stay unset unless `args` set
+    them, and `resolve_api_keys` looks for the keys in the files and the environment only when
+    asked (the order: `IngressFields.api_keys`' description).
     """
 
-    api_keys: list[str] | None = Field(
-        None, description="Accepted API keys (Bearer tokens), a list or comma-separated; default: "
-        "`api_key_file`, else `$API_KEY_FILE`, else `$API_KEY`. Ray Serve logs application arguments: "
-        "prefer a key file or the environment.")
-    api_key_file: str | None = Field(None, description="A file with one accepted API key per line.")
-    cors_allow_origins: list[str] = Field(
-        default_factory=lambda: list(settings().cors_allow_origins),
-        description="Origins allowed by CORS, a list or comma-separated; empty = CORS off. "
-        "Default: `LMSERVE_CORS_ALLOW_ORIGINS`.")
-    max_request_body_bytes: int = Field(
-        default_factory=lambda: settings().max_request_body_bytes, gt=0,
-        description="Larger request bodies get 413 (bytes). Default: `LMSERVE_MAX_REQUEST_BODY_BYTES`.")
-    request_timeout_s: float = Field(
-        default_factory=lambda: settings().request_timeout_s, gt=0,
-        description="A request still generating after this long (seconds) is ended with a 504 / error "
-        "event. Default: `LMSERVE_REQUEST_TIMEOUT_S`.")
-    client_read_timeout_s: float = Field(
-        default_factory=lambda: settings().client_read_timeout_s, gt=0,
-        description="A streaming client that reads nothing for this long (seconds) loses its stream and "
-        "its generation. Default: `LMSERVE_CLIENT_READ_TIMEOUT_S`.")
-    queue_timeout_s: float = Field(
-        default_factory=lambda: settings().queue_timeout_s, ge=0,
-        description="A request that has had no token this long (seconds) after it reached the model (waiting "
-        "behind a full batch) gets 503 + `Retry-After` and leaves the engine's queue, so its client can try "
-        "another replica; 0 = no bound but `request_timeout_s`. The default, 60 s, is above what a request "
-        "waits on a loaded CPU replica for normal prompts: a batch slot frees when one of the running "
-        "requests ends, within one `max_new_tokens` (1024) of decode steps (tens of ms each on a CPU). "
-        "Default: `LMSERVE_QUEUE_TIMEOUT_S`.")
-    log_prompts: bool = Field(
-        default_factory=lambda: settings().log_prompts,
-        description="Debug only: log prompts and completions. Default: `LMSERVE_LOG_PROMPTS`.")
-    media: MediaSettings = Field(
-        default_factory=lambda: settings().media.model_copy(),
-        description="Where image_url content parts may come from, and their limits (`MediaSettings` "
-        "fields); unset fields from their `LMSERVE_` variables.")
+    # Fields by their names, as in `args`; their aliases (`API_KEY`, ...) name the variables.
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=False)
 
-    _split = field_validator("api_keys", "cors_allow_origins", mode="before")(_split_commas)
+    @model_validator(mode="before")
+    @classmethod
+    def _environment_for_the_rest(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        missing = [name for name in IngressFields.model_fields if name not in data and name not in _API_KEY_FIELDS]
+        if not missing:
+            return data
+        environment = settings()
+        return {**{name: copy.deepcopy(getattr(environment, name)) for name in missing}, **data}
 
     @field_validator("media", mode="before")
     @classmethod
@@ -207,7 +211,8 @@ class IngressSettings(BaseModel):
         return MediaSettings(**value) if isinstance(value, dict) else value
 
     def resolve_api_keys(self) -> list[str]:
-        """The accepted keys (see the class docstring for the order of sources).
+        """The accepted keys: `api_keys`, else the file `api_key_file` (one key per line), else
+        the file `$API_KEY_FILE`, else `$API_KEY` (comma-separated); none: the API is open.
 
         Raises:
             ValueError: the key file is named but cannot be read, naming the path.
@@ -220,4 +225,28 @@ class IngressSettings(BaseModel):
                 return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
             except OSError as exc:
                 raise ValueError(f"api_key_file {str(path)!r} cannot be read: {exc}") from exc
-        return list(settings().api_key)
+        return list(settings().api_keys or [])
+
+
+def _optional(field: FieldInfo) -> Any:
+    """`field` as an `args` key: its type or None (unset), its constraints and description."""
+    annotation = field.annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseSettings):
+        annotation = _without_environment(annotation)
+    return Annotated[annotation | None, *field.metadata, Field(None, description=field.description)]
+
+
+def _without_environment(model: type[BaseSettings]) -> type[BaseModel]:
+    """`model`'s fields as a plain model: checked when `args` are parsed, but the builder's
+    environment stays out of it (a `BaseSettings` reads its variables when validated); the
+    fields that `args` leave out are read on the ingress replica."""
+    return create_model(model.__name__ + "Args", __module__=__name__,
+                        __config__=ConfigDict(extra=model.model_config.get("extra")),
+                        **{name: (field.annotation, field) for name, field in model.model_fields.items()})
+
+
+IngressArgs = create_model(
+    "IngressArgs", __module__=__name__,
+    __doc__="The ingress settings as keys of the application's `args`, each optional: None = take it from "
+    "the environment of the ingress replica (`IngressSettings`).",
+    **{name: _optional(field) for name, field in IngressFields.model_fields.items()})

@@ -6,6 +6,7 @@
 Sources: `deployments.app.AppArgs` and `ModelEntry` (serve_config.yaml's `args`),
 `engines.config.EngineConfig` (a model entry / LLaMA-Factory inference YAML),
 `deployments.serve.deployment_defaults.MODEL_DEPLOYMENT_DEFAULTS` (per-backend deployment defaults),
+`deployments.settings.IngressFields` (the ingress settings: `args` keys and environment variables),
 `deployments.settings.Settings` and `engines.prompt.media.MediaSettings` (environment variables).
 """
 
@@ -49,6 +50,8 @@ def _default(field: Any) -> str:
         # description names, and the file must not depend on where it is generated.
         if field.default_factory in (dict, list):
             value = field.default_factory()
+        elif _nested(field):
+            return "see below"
         else:
             return "see meaning"
     elif field.default is PydanticUndefined:
@@ -90,6 +93,27 @@ def _env_table(model: type, prefix: str = "LMSERVE_", skip: tuple[str, ...] = ()
     return lines
 
 
+def _args_and_env_table(model: type, key: str) -> list[str]:
+    """One row per field of `model`: its `args` key, its variable, its default and meaning."""
+    lines = [f"| {key} | variable | default | meaning |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        variable = "see below" if _nested(field) else f"`{_env_name(name, field, 'LMSERVE_')}`"
+        lines.append(f"| `{name}` | {variable} | {_default(field)} | {_cell(field.description)} |")
+    return lines
+
+
+def _nested(field: Any) -> bool:
+    """A field that is a settings model of its own (`media`): each of its fields is a variable."""
+    from engines.prompt.media import MediaSettings
+
+    return field.default_factory is MediaSettings
+
+
+def _variables(model: type) -> list[str]:
+    return [f"`{_env_name(name, field, 'LMSERVE_')}`" for name, field in model.model_fields.items()
+            if not _nested(field)]
+
+
 def _model_defaults_table() -> list[str]:
     from deployments.serve.deployment_defaults import MODEL_DEPLOYMENT_DEFAULTS
 
@@ -105,7 +129,7 @@ def render() -> str:
     """The text of docs/configuration.md."""
     from deployments.app import AppArgs, ModelEntry
     from deployments.serve.deployment_defaults import AUTOSCALING_DEFAULTS, INGRESS_DEPLOYMENT_DEFAULTS
-    from deployments.settings import Settings
+    from deployments.settings import IngressFields, Settings
     from engines.config import _INERT_FIELDS, flat_fields
     from engines.prompt.media import MediaSettings
 
@@ -138,15 +162,25 @@ def render() -> str:
         "",
         "## Application args",
         "",
-        "The `args` of the application in serve_config.yaml (`deployments.app.AppArgs`). The HTTP settings",
-        "left unset here come from the environment of the ingress replica (see",
-        "[Environment variables](#environment-variables)).",
+        "The `args` of the application in serve_config.yaml (`deployments.app.AppArgs`): these, and the",
+        "[ingress settings](#ingress-settings).",
         "",
-        *_fields_table(AppArgs.model_fields),
+        *_fields_table(AppArgs.model_fields, [name for name in AppArgs.model_fields
+                                              if name not in IngressFields.model_fields]),
+        "",
+        "### Ingress settings",
+        "",
+        "How the ingress treats HTTP requests (`deployments.settings.IngressFields`). Each is an `args` key",
+        "and an environment variable: a key set in `args` wins, else the variable as the environment of",
+        "the ingress replica has it (not the builder's), else the default. A value out of a field's bounds",
+        "is refused naming the field: in `args` when the application is built or checked (`lmserve check`),",
+        "in a variable by the process that reads it.",
+        "",
+        *_args_and_env_table(IngressFields, "`args` key"),
         "",
         "`media` takes these fields (`engines.prompt.media.MediaSettings`):",
         "",
-        *_fields_table(MediaSettings.model_fields),
+        *_args_and_env_table(MediaSettings, "`media` key"),
         "",
         "## Model entry",
         "",
@@ -206,12 +240,13 @@ def render() -> str:
         "(`LMSERVE_DIRECT_STREAMING`, `LMSERVE_VLLM_DEVICE`) is resolved when the application is built; the",
         "rest is read where it is used, from the environment Ray starts the replica with (on a local",
         "cluster, that of the process that started it; on Kubernetes, the pod's). The `API_*` variables",
-        "keep the names `llamafactory-cli api` reads.",
+        "keep the names `llamafactory-cli api` reads. The variables of the",
+        "[ingress settings](#ingress-settings) are described there, beside their `args` keys:",
+        ", ".join(_variables(IngressFields) + _variables(MediaSettings)) + ".",
         "",
         "| variable | default | meaning |",
         "|---|---|---|",
-        *_env_table(Settings, skip=("media",)),
-        *_env_table(MediaSettings),
+        *_env_table(Settings, skip=tuple(IngressFields.model_fields)),
         "| `LMSERVE_HOME` | `~/.cache/lmserve` | Cache root: the embedded default model is converted once into "
         "`$LMSERVE_HOME/models/` and reused (engines/model_source.py). |",
         "",

@@ -23,3 +23,12 @@ def test_every_configuration_field_is_described():
         missing = [name for name, field in model.model_fields.items()
                    if not field.description and name != "extra_inert"]
         assert not missing, f"{model.__name__}: fields without a description: {missing}"
+
+
+def test_each_ingress_setting_is_described_once():
+    from deployments.settings import IngressFields
+
+    text = " ".join((ROOT / "docs" / "configuration.md").read_text().split())
+    for name, field in IngressFields.model_fields.items():
+        description = " ".join(field.description.split()).replace("|", "\\|")
+        assert text.count(description) == 1, name

@@ -1,17 +1,21 @@
 """Typed configuration: the environment variables (`Settings`), the ingress settings built over
 them, and `deployment` / `ingress_deployment` checked against Ray Serve's schema at parse time."""
 
+import typing
 from pathlib import Path
 
+import annotated_types
 import pytest
 import yaml
 from pydantic import ValidationError
 
+from deployments import settings as settings_module
 from deployments.serve import deployment_defaults as constants
-from deployments.app import parse_args
+from deployments.app import AppArgs, parse_args
 from deployments.cli.main import main
-from deployments.settings import IngressSettings, Settings
+from deployments.settings import IngressArgs, IngressFields, IngressSettings, Settings
 from engines.config import ConfigError
+from engines.prompt.media import MediaSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +33,7 @@ def test_settings_read_their_variables(monkeypatch):
     assert settings.request_timeout_s == 30 and settings.log_prompts is True
     assert settings.direct_streaming is False and settings.vllm_device == "auto"
     assert settings.media.max_images_per_request == 3
-    assert settings.api_key == ["k1", "k2"]
+    assert settings.api_keys == ["k1", "k2"]
 
 
 def test_a_variable_that_does_not_parse_is_named(monkeypatch):
@@ -55,6 +59,107 @@ def test_client_read_timeout_from_args_or_the_environment(monkeypatch):
     assert IngressSettings.model_validate(app_args.ingress_settings()).client_read_timeout_s == 5
     with pytest.raises(ConfigError, match="client_read_timeout_s"):
         parse_args({"models": [{"model_name_or_path": "m"}], "client_read_timeout_s": 0})
+
+
+INGRESS_SETTINGS = ["api_keys", "api_key_file", "cors_allow_origins", "max_request_body_bytes", "request_timeout_s",
+                    "client_read_timeout_s", "queue_timeout_s", "log_prompts", "media"]
+
+
+def _variable(name: str) -> str:
+    alias = IngressFields.model_fields[name].validation_alias
+    return alias.choices[0] if alias is not None else "LMSERVE_" + name.upper()
+
+
+def test_the_ingress_settings_are_declared_once():
+    assert list(IngressFields.model_fields) == INGRESS_SETTINGS
+    assert [_variable(name) for name in INGRESS_SETTINGS[:2]] == ["API_KEY", "API_KEY_FILE"]
+    assert set(AppArgs.model_fields) == {*INGRESS_SETTINGS, "models", "ingress_deployment", "direct_streaming"}
+    for name, declared in IngressFields.model_fields.items():
+        # A field re-declared by hand in one of the views would carry its own FieldInfo.
+        for view in (Settings, IngressSettings, IngressArgs, AppArgs):
+            field = view.model_fields[name]
+            assert (field.description, field.metadata) == (declared.description, declared.metadata), \
+                f"{view.__name__}.{name} differs from IngressFields.{name}"
+        assert AppArgs.model_fields[name].default is None  # unset: from the replica's environment
+    media_args, _ = typing.get_args(AppArgs.model_fields["media"].annotation)
+    for name, declared in MediaSettings.model_fields.items():
+        field = media_args.model_fields[name]
+        assert (field.description, field.metadata, field.default) == \
+            (declared.description, declared.metadata, declared.default), f"media.{name}"
+
+
+def _out_of_bounds(name: str) -> float | None:
+    for bound in IngressFields.model_fields[name].metadata:
+        if isinstance(bound, annotated_types.Gt):
+            return bound.gt
+        if isinstance(bound, annotated_types.Ge):
+            return bound.ge - 1
+    return None
+
+
+BOUNDED = [name for name in INGRESS_SETTINGS if _out_of_bounds(name) is not None]
+
+
+def test_the_bounded_ingress_settings_are_the_expected_ones():
+    assert BOUNDED == ["max_request_body_bytes", "request_timeout_s", "client_read_timeout_s", "queue_timeout_s"]
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+def test_a_value_out_of_bounds_is_refused_in_args_and_in_the_environment(name, monkeypatch):
+    value = _out_of_bounds(name)
+    with pytest.raises(ConfigError, match=f"field '{name}'"):
+        parse_args({"models": [{"model_name_or_path": "m"}], name: value})
+    with pytest.raises(ValidationError, match=name):
+        IngressSettings.model_validate({name: value})
+    monkeypatch.setenv(_variable(name), str(value))
+    with pytest.raises(ValidationError, match=name):
+        Settings()
+
+
+def test_args_take_the_settings_by_their_names_not_by_the_variables():
+    with pytest.raises(ConfigError, match="unknown field 'API_KEY'"):
+        parse_args({"models": [{"model_name_or_path": "m"}], "API_KEY": ["k"]})
+    assert IngressSettings.model_validate({"API_KEY": ["k"]}).api_keys is None
+
+
+def test_only_the_settings_set_in_args_go_to_the_ingress_replica(monkeypatch):
+    monkeypatch.setenv("LMSERVE_MAX_IMAGE_BYTES", "1234")  # the builder's environment stays out
+    app_args, _ = parse_args({"models": [{"model_name_or_path": "m"}], "api_keys": [], "request_timeout_s": None,
+                              "media": {"allow_remote_media": True}})
+    assert app_args.ingress_settings() == {"api_keys": [], "media": {"allow_remote_media": True}}
+
+
+@pytest.fixture
+def environment(monkeypatch):
+    """Set variables for `settings()`, read again after the test sets them."""
+    for name in ("API_KEY", "API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    settings_module.settings.cache_clear()
+    yield monkeypatch
+    settings_module.settings.cache_clear()
+
+
+def test_args_win_over_the_environment_over_the_defaults(environment):
+    environment.setenv("LMSERVE_REQUEST_TIMEOUT_S", "7")
+    environment.setenv("LMSERVE_CORS_ALLOW_ORIGINS", "https://a.example, https://b.example")
+    settings = IngressSettings.model_validate({"request_timeout_s": 5})
+    assert settings.request_timeout_s == 5
+    assert settings.cors_allow_origins == ["https://a.example", "https://b.example"]
+    assert settings.queue_timeout_s == IngressFields.model_fields["queue_timeout_s"].default
+
+
+def test_api_keys_from_args_then_files_then_the_environment(environment, tmp_path):
+    args_file, env_file = tmp_path / "args_keys", tmp_path / "env_keys"
+    args_file.write_text("from-args-file\n")
+    env_file.write_text("from-env-file\n")
+    environment.setenv("API_KEY", "from-env-1, from-env-2")
+    assert IngressSettings().resolve_api_keys() == ["from-env-1", "from-env-2"]
+    environment.setenv("API_KEY_FILE", str(env_file))
+    settings_module.settings.cache_clear()
+    assert IngressSettings().resolve_api_keys() == ["from-env-file"]
+    assert IngressSettings(api_key_file=str(args_file)).resolve_api_keys() == ["from-args-file"]
+    assert IngressSettings(api_keys=["k"], api_key_file=str(args_file)).resolve_api_keys() == ["k"]
+    assert IngressSettings(api_keys=[]).resolve_api_keys() == []  # set and empty: open
 
 
 def test_defaults_are_constants_not_environment_reads():
