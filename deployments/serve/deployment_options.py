@@ -12,6 +12,8 @@ option the user leaves out is not filled in here.
 
 from __future__ import annotations
 
+import copy
+
 import functools
 from typing import Annotated, Any
 
@@ -61,3 +63,14 @@ def check_deployment_options(value: dict[str, Any]) -> dict[str, Any]:
 
 
 DeploymentOptions = Annotated[dict[str, Any], AfterValidator(check_deployment_options)]
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """Return `base` with `override` merged in, recursively for nested mappings."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

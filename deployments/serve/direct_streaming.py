@@ -26,7 +26,7 @@ import logging
 from deployments.openai.ingress import OpenAIIngress
 from deployments.replica_log import send_package_logs_to_replica_log
 from deployments.serve.model_client import InProcessClient
-from deployments.serve.model_server import start_replica_engine, stop_replica_engine
+from deployments.serve.model_server import ModelServer, start_replica_engine, stop_replica_engine
 from engines.base import Engine
 from engines.config import EngineConfig
 
@@ -47,6 +47,12 @@ class DirectStreamingServer(OpenAIIngress):
         engine: an unstarted engine to serve instead of the configured backend's (the fast
             tier serves the fake engine through this class).
     """
+
+    @classmethod
+    def get_deployment_options(cls, config: EngineConfig, *, device: str | None = None) -> dict:
+        """The model's deployment defaults (`ModelServer.get_deployment_options`): the replica runs
+        the model's engine; the builder adapts its limits (`deployments.app.direct_streaming_options`)."""
+        return ModelServer.get_deployment_options(config, device=device)
 
     async def __init__(self, model_id: str, engine_config: dict, settings: dict | None = None,
                        max_requests: int | None = None, backpressure_config: dict | None = None,

@@ -14,7 +14,7 @@ import logging
 from typing import AsyncIterator
 
 from deployments.replica_log import send_package_logs_to_replica_log
-from deployments.serve.deployment_defaults import STREAM_BATCHING_INTERVAL_S
+from deployments.serve.deployment_defaults import STREAM_BATCHING_INTERVAL_S, model_deployment_defaults
 from deployments.serve.stream_batching import batch_stream
 from engines import engine_class
 from engines.base import Engine, GenerationDelta, GenerationRequest, ModelInfo
@@ -61,6 +61,13 @@ class ModelServer:
         engine: an unstarted engine to serve instead of the configured backend's (tests pass
             the fake engine, as Ray Serve LLM's `LLMServer` takes an `engine_cls`).
     """
+
+    @classmethod
+    def get_deployment_options(cls, config: EngineConfig, *, device: str | None = None) -> dict:
+        """The default Ray Serve options of this model's deployment, its backend's resources
+        included (`deployment_defaults.model_deployment_defaults`; `device` places vLLM models,
+        `cuda` or `cpu`); the builder merges the model's `deployment` entry over them."""
+        return model_deployment_defaults(config, device)
 
     async def __init__(self, model_id: str, engine_config: dict | EngineConfig, engine: Engine | None = None):
         send_package_logs_to_replica_log()
