@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
 
@@ -28,12 +29,73 @@ FinishReason = Literal["stop", "length"]
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """Constrain a generation to JSON (OpenAI's `response_format`): `json_schema` is a JSON
-    Schema mapping the output must validate against, or None for any JSON object
-    (`json_object`). Backends that can (`Capabilities.response_format`) map it to their
-    constrained decoding (vLLM: `StructuredOutputsParams`)."""
+    """A constraint on a generation's output (constrained decoding). The kinds, names and
+    meanings are those of vLLM's `StructuredOutputsParams` (vllm/sampling_params.py, the
+    `structured_outputs` request field); exactly one is set:
 
-    json_schema: dict[str, Any] | None = None
+    - `json`: a JSON Schema (a mapping) the output validates against (OpenAI's `response_format`
+      `json_schema`);
+    - `json_object`: True for any JSON object (OpenAI's `response_format` `json_object`);
+    - `regex`: a regular expression the whole output matches;
+    - `choice`: the output is exactly one of these strings (a list is kept as a tuple);
+    - `grammar`: an EBNF grammar in xgrammar's syntax (GBNF-like, a `root ::= ...` rule), as
+      vLLM's xgrammar backend takes it;
+    - `structural_tag`: xgrammar's structural tag, a JSON string.
+
+    Checked when built: exactly one kind set, of its type (`choice` a non-empty list of
+    strings), else `ServingError` INVALID_REQUEST naming `structured_outputs`. Whether the
+    schema, regex or grammar compiles is the backend's check (engines/structured_output.py for
+    the huggingface backend). Backends that can (`Capabilities.response_format`) map it to their
+    constrained decoding.
+    """
+
+    json: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [k for k in ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ServingError.invalid_request(
+                "structured_outputs: set exactly one of json, json_object, regex, choice, grammar, structural_tag "
+                f"(got {', '.join(kinds) or 'none'})", param="structured_outputs")
+        types = {"json": dict, "json_object": bool, "regex": str, "choice": tuple, "grammar": str,
+                 "structural_tag": str}
+        value = getattr(self, kinds[0])
+        if not isinstance(value, types[kinds[0]]) or (
+                kinds[0] == "choice" and not (value and all(isinstance(c, str) for c in value))):
+            want = "a non-empty list of strings" if kinds[0] == "choice" else types[kinds[0]].__name__
+            raise ServingError.invalid_request(f"structured_outputs.{kinds[0]} must be {want}",
+                                               param="structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        """The kind set: "json", "json_object", "regex", "choice", "grammar" or "structural_tag"."""
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+                    if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one string (the value itself; JSON for `json` with sorted keys,
+        and for `choice`): with `kind`, a key for caches of compiled grammars."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return json.dumps(list(value))
+        return "" if self.kind == "json_object" else value
+
+    @property
+    def param(self) -> str:
+        """The request field to name in an error about this constraint: `response_format` for
+        JSON (OpenAI's field), `structured_outputs` for the other kinds (vLLM's)."""
+        return "response_format" if self.kind in ("json", "json_object") else "structured_outputs"
 
 
 @dataclass
@@ -261,7 +323,7 @@ class Capabilities:
     min_p: bool = True
     logit_bias: bool = True
     lora: bool = False
-    response_format: bool = False  # json_object / json_schema (constrained decoding)
+    response_format: bool = False  # constrained decoding: every kind of `StructuredOutput`
     forced_tool_choice: bool = False  # tool_choice "required" or a named function
     scoring: bool = False  # reward models (`stage` other than "sft"): /v1/score/evaluation
     tools_in_template: bool = True

@@ -134,7 +134,7 @@ def sampling_arguments(params: SamplingParams, max_tokens: int) -> dict[str, Any
 
     `temperature: 0` is greedy in both; `top_k: 0` means no top-k in both; penalties use the same
     semantics (repetition over prompt and output, presence/frequency over the output, OpenAI's).
-    A JSON constraint (`structured_output`) becomes `structured_outputs` (`structured_outputs_params`).
+    A constraint (`structured_output`) becomes `structured_outputs` (`structured_outputs_params`).
     `logit_bias` goes as it is (token id -> bias; vLLM adds it before penalties, greedy too).
     """
     args = {
@@ -161,14 +161,16 @@ def sampling_arguments(params: SamplingParams, max_tokens: int) -> dict[str, Any
 
 
 def structured_outputs_params(constraint: StructuredOutput) -> Any:
-    """vLLM's `StructuredOutputsParams` for a JSON constraint: `json=<schema>` for a JSON Schema,
-    `json_object=True` for any JSON object. The same mapping as vLLM's OpenAI server
-    (`structured_outputs_from_response_format`, vllm/entrypoints/generate/base/protocol.py)."""
+    """vLLM's `StructuredOutputsParams` for a constraint: the kind set is the field of the same
+    name (`StructuredOutput` takes vLLM's names): `json=<schema>`, `json_object=True`, `regex`,
+    `choice` (a list), `grammar`, `structural_tag`. JSON constraints map as vLLM's OpenAI server
+    maps `response_format` (`structured_outputs_from_response_format`,
+    vllm/entrypoints/generate/base/protocol.py). vLLM compiles them with its own xgrammar
+    backend, whose errors reach the client as INVALID_REQUEST."""
     from vllm.sampling_params import StructuredOutputsParams
 
-    if constraint.json_schema is not None:
-        return StructuredOutputsParams(json=constraint.json_schema)
-    return StructuredOutputsParams(json_object=True)
+    value = getattr(constraint, constraint.kind)
+    return StructuredOutputsParams(**{constraint.kind: list(value) if constraint.kind == "choice" else value})
 
 
 def _adapter_path(path: str) -> str:

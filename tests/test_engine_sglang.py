@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -21,7 +22,7 @@ import pytest
 
 from conftest import collect, group_exists, run
 from real_sglang import launch_command
-from engines.base import GenerationRequest, SamplingParams
+from engines.base import GenerationRequest, SamplingParams, StructuredOutput
 from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ModelLoadError, ServingError
 from engines.sglang.ktransformers import KTransformersEngine
@@ -192,6 +193,34 @@ def test_logit_bias_outside_the_vocabulary_is_refused_before_sending_and_by_the_
         r = srun(client.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
             "max_new_tokens": 2, "logit_bias": bias}}))
         assert r.status_code == 400 and words in r.json()["error"]["message"]
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                             "population": {"type": "integer"}},
+               "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_constrained_outputs_follow_their_constraint(sglang_engine, renderer):
+    """SGLang's xgrammar backend enforces json_schema, regex and ebnf (choice) on CPU too; a
+    schema it cannot compile is refused, naming `response_format`."""
+    import jsonschema
+
+    ask = renderer.render_chat([{"role": "user", "content": "Describe Paris as JSON with keys city and population."}])
+
+    def constrained(ids, constraint, **params):
+        return srun(collect(sglang_engine, GenerationRequest("so", ids, SamplingParams(
+            max_tokens=60, structured_output=constraint, **params))))
+
+    deltas = constrained(ask, StructuredOutput(json=CITY_SCHEMA), temperature=0)
+    assert finish_of(deltas) == ["stop"]
+    jsonschema.validate(json.loads(text_of(deltas)), CITY_SCHEMA)
+    ids = renderer.render_chat(QUESTION)
+    assert re.fullmatch(r"[A-Z][a-z]+, [A-Z]{2}", text_of(constrained(
+        ids, StructuredOutput(regex=r"[A-Z][a-z]+, [A-Z]{2}"), temperature=1.0, top_k=5)))
+    assert text_of(constrained(ids, StructuredOutput(choice=["Paris", "Rome"]), temperature=0)) in ("Paris", "Rome")
+    with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request" and e.param == "response_format",
+                       match='Failed to compile json grammar: .*Unsupported type "town"'):
+        constrained(ids, StructuredOutput(json={"type": "town"}))
 
 
 def test_lora_adapter_by_name_on_a_gpu_server(model_dir, lora_dir, gpu_standin_engine, renderer):
@@ -374,6 +403,20 @@ def test_wire_refusals_and_their_bodies(sglang_engine):
         r = client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "bogus": 1}})
         assert r.status_code == 400
         assert r.json()["error"].startswith("unknown field `bogus`, expected one of `max_new_tokens`, `stop`")
+
+
+def test_wire_a_constraint_that_does_not_compile_aborts_with_400(sglang_engine):
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "regex": "(unclosed"}}
+    with raw(sglang_engine) as client:
+        streamed = events(client, body)
+        both = client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {
+            "max_new_tokens": 2, "regex": "a", "ebnf": 'root ::= "a"'}})
+    assert streamed[-1] == "[DONE]"
+    finish = streamed[-2]["meta_info"]["finish_reason"]
+    assert (finish["type"], finish["status_code"], finish["err_type"]) == ("abort", 400, "BadRequestError")
+    assert finish["message"].startswith("Failed to compile regex grammar: ") and "parenthesis" in finish["message"]
+    assert both.status_code == 400
+    assert "Only one of json_schema, regex, ebnf, or structural_tag can be set." in both.text
 
 
 def test_wire_abort_ends_the_stream_with_an_abort(sglang_engine, renderer):

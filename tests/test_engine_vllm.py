@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import time
 
 import pytest
@@ -192,10 +193,17 @@ def test_json_constraints_map_to_vllm_structured_outputs():
     from engines.vllm import sampling_arguments
 
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    args = sampling_arguments(SamplingParams(structured_output=StructuredOutput(schema)), max_tokens=7)
-    assert args["structured_outputs"] == StructuredOutputsParams(json=schema)
-    args = sampling_arguments(SamplingParams(structured_output=StructuredOutput()), max_tokens=7)
-    assert args["structured_outputs"] == StructuredOutputsParams(json_object=True)
+    tag = '{"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}'
+    for constraint, expected in [
+        (StructuredOutput(json=schema), StructuredOutputsParams(json=schema)),
+        (StructuredOutput(json_object=True), StructuredOutputsParams(json_object=True)),
+        (StructuredOutput(regex=r"\d+"), StructuredOutputsParams(regex=r"\d+")),
+        (StructuredOutput(choice=["yes", "no"]), StructuredOutputsParams(choice=["yes", "no"])),
+        (StructuredOutput(grammar='root ::= "a"'), StructuredOutputsParams(grammar='root ::= "a"')),
+        (StructuredOutput(structural_tag=tag), StructuredOutputsParams(structural_tag=tag)),
+    ]:
+        args = sampling_arguments(SamplingParams(structured_output=constraint), max_tokens=7)
+        assert args["structured_outputs"] == expected
 
 
 
@@ -212,18 +220,32 @@ def test_json_schema_output_validates(vllm_engine, renderer):
         jsonschema.validate(json.loads(plain), CITY_SCHEMA)
     for seed in (1, 2):
         deltas = generate(vllm_engine, ids, temperature=1.0, max_tokens=60, seed=seed,
-                          structured_output=StructuredOutput(CITY_SCHEMA))
+                          structured_output=StructuredOutput(json=CITY_SCHEMA))
         assert finish_of(deltas) == ["stop"]
         jsonschema.validate(json.loads(text_of(deltas)), CITY_SCHEMA)
-    deltas = generate(vllm_engine, ids, temperature=0, max_tokens=60, structured_output=StructuredOutput())
+    deltas = generate(vllm_engine, ids, temperature=0, max_tokens=60,
+                      structured_output=StructuredOutput(json_object=True))
     assert isinstance(json.loads(text_of(deltas)), dict)
+
+
+def test_regex_choice_and_grammar_constraints(vllm_engine, renderer):
+    ids = renderer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    deltas = generate(vllm_engine, ids, temperature=1.0, seed=5, max_tokens=20,
+                      structured_output=StructuredOutput(regex=r"[A-Z][a-z]{2,8}, [A-Z]{2}"))
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}, [A-Z]{2}", text_of(deltas))
+    deltas = generate(vllm_engine, ids, temperature=1.0, seed=3, max_tokens=10,
+                      structured_output=StructuredOutput(choice=["Paris", "London", "Rome"]))
+    assert text_of(deltas) in ("Paris", "London", "Rome")
+    deltas = generate(vllm_engine, ids, temperature=0, max_tokens=20,
+                      structured_output=StructuredOutput(grammar='root ::= "The answer is " ("yes" | "no") "."'))
+    assert text_of(deltas) in ("The answer is yes.", "The answer is no.")
 
 
 def test_schema_vllm_cannot_compile_is_a_bad_request(vllm_engine):
     # valid by the metaschema (the ingress's check), but its reference points nowhere
     schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}
     with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request"):
-        generate(vllm_engine, [1] * 10, max_tokens=4, structured_output=StructuredOutput(schema))
+        generate(vllm_engine, [1] * 10, max_tokens=4, structured_output=StructuredOutput(json=schema))
 
 
 def test_context_length_is_checked(vllm_engine):

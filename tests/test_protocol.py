@@ -119,13 +119,14 @@ def test_completion_prompt_must_not_be_empty():
 CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
-@pytest.mark.parametrize("response_format,json_schema", [
-    ({"type": "json_object"}, None),
-    ({"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}, CITY_SCHEMA),
+@pytest.mark.parametrize("response_format,constraint", [
+    ({"type": "json_object"}, StructuredOutput(json_object=True)),
+    ({"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}},
+     StructuredOutput(json=CITY_SCHEMA)),
 ])
-def test_response_format_becomes_the_engines_json_constraint(response_format, json_schema):
+def test_response_format_becomes_the_engines_json_constraint(response_format, constraint):
     p = ChatCompletionRequest(messages=MSG, response_format=response_format).to_sampling_params()
-    assert p.structured_output == StructuredOutput(json_schema=json_schema)
+    assert p.structured_output == constraint
     assert ChatCompletionRequest(messages=MSG, response_format={"type": "text"}).to_sampling_params() \
         .structured_output is None
 

@@ -238,7 +238,9 @@ class ResponseFormat(StrictModel):
         """The engine's constraint: None for `text`."""
         if self.type == "text":
             return None
-        return StructuredOutput(json_schema=self.json_schema.schema_ if self.type == "json_schema" else None)
+        if self.type == "json_schema":
+            return StructuredOutput(json=self.json_schema.schema_)
+        return StructuredOutput(json_object=True)
 
 
 class StreamOptions(StrictModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,6 +37,7 @@ from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
 from engines.errors import ModelLoadError, ServingError
 from engines.model_source import resolve_model_path
 from engines.output import ChoiceOutput, RequestOutputCollector, WorkerHandoff, make_detokenizer
+from engines.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class HuggingFaceEngine(Engine):
         config: the model's `EngineConfig` (`infer_backend: huggingface`).
     """
 
-    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=False, images=True,
+    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=True, images=True,
                                 scoring=True)
 
     def __init__(self, config: EngineConfig):
@@ -89,6 +91,8 @@ class HuggingFaceEngine(Engine):
         self._score_lock = asyncio.Lock()
         # The batcher thread's hand-off to each event loop that has requests here (engines/output.py).
         self._handoff = WorkerHandoff()
+        self._grammars: GrammarCompiler | None = None  # made at the first constrained request
+        self._grammars_lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -210,6 +214,8 @@ class HuggingFaceEngine(Engine):
     async def shutdown(self) -> None:
         if self._batcher is not None:
             await asyncio.to_thread(self._batcher.stop)
+        if self._grammars is not None:
+            self._grammars.close()
         self._model = self._reward = None
 
     async def score(self, texts: list[str], max_length: int | None = None) -> list[float]:
@@ -243,11 +249,17 @@ class HuggingFaceEngine(Engine):
                                              "and does not generate", param="model")
         await self.check_health()
         state = self._new_state(request)
+        # Compiled here, on a worker thread, before the request reaches the batcher: a slow
+        # compile delays only its own request, never the batch's decode steps.
+        grammar = None
+        if state.params.structured_output is not None:
+            grammar = await asyncio.to_thread(self._compile_grammar, state.params.structured_output)
         collector = RequestOutputCollector()
         batch_request = BatchRequest(
             request_id=request.request_id, prompt_ids=state.prompt_ids, params=state.params,
             max_tokens=state.max_tokens, eos_ids=state.eos_ids, generator=state.generator,
             lora_name=self._peft_names.get(request.lora_name), model_inputs=self._model_inputs(request),
+            grammar=grammar,
             emit=partial(self._handoff.for_loop(asyncio.get_running_loop()).emit, collector),
         )
         self._batcher.submit(batch_request)
@@ -310,9 +322,6 @@ class HuggingFaceEngine(Engine):
         vocab = max(len(self._tokenizer), self._model.get_output_embeddings().weight.shape[0])
         params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
                                                 vocab_size=vocab)
-        if params.structured_output is not None:  # the ingress refuses it first (Capabilities)
-            raise ServingError.not_supported(
-                "response_format (JSON output) is not supported by the huggingface backend", param="response_format")
         generator = torch.Generator(device=self._model.device)
         generator.manual_seed(params.seed if params.seed is not None else uuid.uuid4().int & (2**63 - 1))
         return _RequestState(
@@ -322,6 +331,19 @@ class HuggingFaceEngine(Engine):
                                   detokenizer=make_detokenizer(self._tokenizer, params.skip_special_tokens))
                      for i in range(params.n)],
         )
+
+    def _compile_grammar(self, constraint: Any) -> Any:
+        """`constraint` (a `StructuredOutput`) compiled for this model's tokenizer and logits
+        (`engines.structured_output.GrammarCompiler`: cached, at most `COMPILE_TIMEOUT_S`).
+
+        Raises:
+            ServingError: INVALID_REQUEST when it does not compile, or not in time.
+        """
+        with self._grammars_lock:
+            if self._grammars is None:
+                vocab = max(len(self._tokenizer), self._model.get_output_embeddings().weight.shape[0])
+                self._grammars = GrammarCompiler(self._tokenizer, vocab, stop_token_ids=sorted(self._eos_ids))
+        return self._grammars.compile(constraint)
 
     def _token_logprob(self, token: int, logprobs: tuple) -> TokenLogprob:
         logprob, top = logprobs

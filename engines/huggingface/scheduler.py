@@ -36,6 +36,13 @@ its tokens as they are produced through its `emit` callback. Sampling (`engines.
 over the whole batch at once with transformers' logits processors' semantics (repetition
 penalty, temperature, top-k, top-p, min-p) plus OpenAI's presence and frequency penalties and
 `logit_bias` (added first, as vLLM does).
+
+Constrained decoding (`SamplingParams.structured_output`): the engine compiles the constraint
+before it submits the request (`BatchRequest.grammar`, engines/structured_output.py), and each of
+the request's rows walks it with its own `xgrammar.GrammarMatcher`. Every step masks the logits
+of the constrained rows in one call (`BatchGrammarMask`) before the sampler sees them, so
+logit_bias, penalties, greedy and sampled draws all stay inside the grammar; the other rows are
+untouched. A row whose matcher has accepted a stop token (its grammar complete) finishes "stop".
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from engines.huggingface.kv_cache import (
     trim_cache_columns,
 )
 from engines.huggingface.sampling import BatchSampler
+from engines.structured_output import BatchGrammarMask, grammar_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +109,7 @@ class BatchRequest:
     emit: Callable[[list[TokenEvent] | BaseException], None]
     lora_name: str | None = None
     model_inputs: dict[str, Any] | None = None  # processor tensors of the images, on the model's device
+    grammar: Any = None  # xgrammar.CompiledGrammar of `params.structured_output`, compiled before submitting
     cancelled: bool = False
     finished_choices: set[int] = field(default_factory=set)
     arrival_time: float = 0.0  # time.monotonic() when submitted (s), as vLLM's Request.arrival_time
@@ -113,6 +122,7 @@ class _Row:
     index: int
     generated: list[int] = field(default_factory=list)
     finished: bool = False
+    matcher: Any = None  # xgrammar.GrammarMatcher of a constrained row (`request.grammar`)
 
     @property
     def done(self) -> bool:
@@ -518,7 +528,8 @@ class ContinuousBatcher:
         repeat = torch.tensor([r.params.n for r in admitted], device=self.device)
         row_of = torch.repeat_interleave(torch.arange(len(admitted), device=self.device), repeat)
         logits = out.logits[:, -1, :].float().index_select(0, row_of)
-        new_rows = [_Row(request, index) for request in admitted for index in range(request.params.n)]
+        new_rows = [_Row(request, index, matcher=grammar_matcher(request.grammar) if request.grammar else None)
+                    for request in admitted for index in range(request.params.n)]
         new_cache = None
         if self.use_kv_cache:
             new_cache = job.cache
@@ -604,9 +615,10 @@ class ContinuousBatcher:
         request = row.request
         row.generated.append(token)
         finish, stop_reason = None, None
+        grammar_ended = row.matcher is not None and self._grammar_ended(row, token)
         if token in request.params.stop_token_ids:
             finish, stop_reason = "stop", token
-        elif token in request.eos_ids:
+        elif token in request.eos_ids or grammar_ended:
             finish = "stop"
         elif len(row.generated) >= request.max_tokens:
             finish = "length"
@@ -615,14 +627,37 @@ class ContinuousBatcher:
 
     # ---- sampling -------------------------------------------------------------------------
 
+    @staticmethod
+    def _grammar_ended(row: _Row, token: int) -> bool:
+        """Advance a constrained row's matcher by `token`; whether its grammar has ended: the
+        matcher accepted a stop token (an EOS or end of turn, not output text), or refused the
+        token, which the mask rules out (the row then stops before the token, logged)."""
+        if not row.matcher.accept_token(token):
+            logger.error("request %s: the grammar refused token %d after masking; choice %d stops",
+                         row.request.request_id, token, row.index)
+            return True
+        return row.matcher.is_terminated()
+
     @functools.cached_property
     def _sampler(self) -> BatchSampler:
         return BatchSampler()
 
+    @functools.cached_property
+    def _grammar_mask(self) -> BatchGrammarMask:
+        return BatchGrammarMask()
+
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
         """Next token per row (`engines.huggingface.sampling.BatchSampler`, all rows at once, each with its
         own parameters and generator); `logits` shape `[rows, vocab]` (float32), left unchanged
-        (the caller reports logprobs from them)."""
+        (the caller reports logprobs from them).
+
+        Constrained rows are masked first, on a copy: logprobs stay the model's distribution
+        before the grammar's mask, as vLLM reports them before any logits processing."""
+        matchers = [None if r.done else r.matcher for r in rows]
+        if any(m is not None for m in matchers):
+            vocab = next(r.request.grammar for r, m in zip(rows, matchers) if m is not None).tokenizer_info.vocab_size
+            logits = logits.clone()
+            self._grammar_mask.apply(matchers, logits, vocab)
         return self._sampler.sample(rows, logits)
 
 

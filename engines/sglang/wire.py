@@ -12,16 +12,19 @@ and `server_args.py` (launch flags).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from engines.base import (
     GenerationDelta,
     SamplingParams,
+    StructuredOutput,
     TokenLogprob,
     Usage,
 )
 from engines.errors import ServingError
 from engines.output import ChoiceOutput
+from engines.structured_output import choice_grammar
 
 
 def sampling_params_payload(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
@@ -33,7 +36,8 @@ def sampling_params_payload(params: SamplingParams, max_tokens: int) -> dict[str
     `Dict[str, float]` that it checks against the vocabulary (`verify`) and adds to the logits
     before sampling, greedy too (`SamplingBatchInfo.apply_logits_bias`). SGLang adds it after
     its penalties where vLLM and the huggingface backend add it before; the two orders differ
-    only with a `repetition_penalty` (the other penalties are added too).
+    only with a `repetition_penalty` (the other penalties are added too). A constraint
+    (`structured_output`) becomes SGLang's field for it (`structured_output_fields`).
     """
     payload = {
         "max_new_tokens": max_tokens,
@@ -52,7 +56,28 @@ def sampling_params_payload(params: SamplingParams, max_tokens: int) -> dict[str
     }
     if params.logit_bias:
         payload["logit_bias"] = {str(tid): bias for tid, bias in params.logit_bias.items()}
+    if params.structured_output is not None:
+        payload.update(structured_output_fields(params.structured_output))
     return payload
+
+
+def structured_output_fields(constraint: StructuredOutput) -> dict[str, str]:
+    """SGLang's sampling field for a constraint (SGLang takes one of `json_schema`, `regex`,
+    `ebnf`, `structural_tag`, all strings): `json` -> `json_schema` (the schema as JSON);
+    `json_object` -> `json_schema` `{"type": "object"}` (as vLLM compiles it); `regex`;
+    `grammar` -> `ebnf`; `choice` -> `ebnf`, an alternation of the escaped strings
+    (`engines.structured_output.choice_grammar`); `structural_tag`. SGLang compiles them with
+    its grammar backend (xgrammar by default) and refuses one that does not compile."""
+    kind = constraint.kind
+    if kind == "json":
+        return {"json_schema": json.dumps(constraint.json)}
+    if kind == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    if kind == "choice":
+        return {"ebnf": choice_grammar(constraint.choice)}
+    if kind == "grammar":
+        return {"ebnf": constraint.grammar}
+    return {kind: getattr(constraint, kind)}  # regex, structural_tag: the same name
 
 
 def generate_payload(rid: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -167,7 +192,10 @@ class StreamParser:
         status = reason.get("status_code") if isinstance(reason, dict) else None
         message = reason.get("message", "aborted") if isinstance(reason, dict) else "aborted"
         if status == 400:
-            raise ServingError.invalid_request(f"sglang: {message}")
+            # SGLang refuses a constraint it cannot compile this way ("Failed to compile json grammar: ...")
+            constraint = self.params.structured_output
+            param = constraint.param if constraint is not None and "grammar" in message else None
+            raise ServingError.invalid_request(f"sglang: {message}", param=param)
         raise ServingError.unavailable(f"sglang aborted the request ({status or 'no status'}): {message}; "
                                        "retry the request")
 

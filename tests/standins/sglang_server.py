@@ -18,7 +18,9 @@ both (`test_wire_*`):
 - `POST /generate`: `GenerateReqInput` with `input_ids` (or `text`), `sampling_params` (with
   `logit_bias`, token id strings -> bias, checked against the vocabulary as `verify` does; an
   unknown field is a 400 `{"error": "unknown field ..."}`), `rid`, `stream`, `lora_path`,
-  `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`. Streamed: `data: {"text":
+  `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`; constraints (`json_schema`, `regex`,
+  `ebnf`, `structural_tag`) are enforced by the huggingface engine's xgrammar masks, and one that
+  does not compile aborts the request with status 400 ("Failed to compile json grammar: ..."). Streamed: `data: {"text":
   <cumulative>, "output_ids": [...], "meta_info": {...}}` lines, then `data: [DONE]`; a reader that
   lags gets each choice's latest output only (merged chunks); `meta_info` has `id`,
   `finish_reason` (null or `{"type": "stop", "matched": str | token id}`, `{"type": "length",
@@ -58,7 +60,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.base import GenerationRequest, SamplingParams as EngineSamplingParams
+from engines.base import GenerationRequest, SamplingParams as EngineSamplingParams, StructuredOutput
 from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ServingError
 from engines.huggingface.engine import HuggingFaceEngine
@@ -148,6 +150,12 @@ class SamplingParamsIn(BaseModel):
     # token id (a string) -> bias added to its logit; here by the huggingface engine, before the
     # penalties (SGLang adds it after them: the same unless repetition_penalty is set)
     logit_bias: dict[str, float] | None = None
+    # constraints, at most one: compiled and enforced by the huggingface engine's xgrammar
+    # masks (SGLang's default grammar backend is xgrammar too)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
 
 class GenerateReqIn(BaseModel):
@@ -292,6 +300,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                 return str(exc)
             if not 0 <= token_id < vocab_size:
                 return f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}."
+        if sum(bool(x) for x in (sp.json_schema, sp.regex, sp.ebnf, sp.structural_tag)) > 1:
+            return "Only one of json_schema, regex, ebnf, or structural_tag can be set."
         return None
 
     @app.post("/generate")
@@ -321,12 +331,17 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos, n=sp.n,
             skip_special_tokens=sp.skip_special_tokens, logprobs=max(obj.top_logprobs_num, 0),
             logit_bias=bias or None)
+        try:
+            params.structured_output, bad_constraint = _constraint(sp), None
+        except ValueError as exc:  # a json_schema that is not a JSON object: SGLang's compile fails on it
+            bad_constraint = exc
         # n > 1: every choice gets a request ID of its own (tokenizer_manager regenerates them).
         rids = [rid] if sp.n == 1 else [uuid.uuid4().hex for _ in range(sp.n)]
         queue: asyncio.Queue = asyncio.Queue()
         # SGLang serves the base model to a request without `lora_path`
         request = GenerationRequest(rid, ids, params, lora_name=adapter_names.get(obj.lora_path, BASE_MODEL))
-        task = asyncio.get_running_loop().create_task(_run(engine, request, rids, obj, queue, metrics))
+        task = asyncio.get_running_loop().create_task(_run(engine, request, rids, obj, queue, metrics,
+                                                           bad_constraint))
         for r in rids:
             tasks[r] = task
         task.add_done_callback(lambda _: [tasks.pop(r, None) for r in rids])
@@ -390,13 +405,17 @@ def _error(message: str) -> JSONResponse:
 
 
 async def _run(engine: HuggingFaceEngine, request: GenerationRequest, rids: list[str], obj: GenerateReqIn,
-               queue: asyncio.Queue, metrics: ServerMetrics | None = None) -> None:
+               queue: asyncio.Queue, metrics: ServerMetrics | None = None,
+               bad_constraint: ValueError | None = None) -> None:
     """Drive the engine and put SGLang stream outputs (cumulative per choice) on `queue`;
     None at the end, an exception on failure. Cancelled (abort, client gone): the choices still
     running end with `{"type": "abort"}`, as the scheduler reports an aborted request. `metrics`
-    counts the request's tokens."""
+    counts the request's tokens. A constraint that does not compile (`bad_constraint`: one the
+    engine was not given) ends every choice with an abort of status 400, as SGLang's grammar
+    manager does."""
     n = len(rids)
     generated = [0] * n
+    constraint = request.sampling_params.structured_output
     texts, output_ids = [""] * n, [[] for _ in range(n)]
     token_lps: list[list] = [[] for _ in range(n)]
     top_lps: list[list] = [[] for _ in range(n)]
@@ -420,6 +439,8 @@ async def _run(engine: HuggingFaceEngine, request: GenerationRequest, rids: list
         return out
 
     try:
+        if bad_constraint is not None:
+            raise bad_constraint
         async for delta in engine.generate(request):
             i = delta.index
             texts[i] += delta.text
@@ -452,11 +473,46 @@ async def _run(engine: HuggingFaceEngine, request: GenerationRequest, rids: list
                 if metrics is not None:
                     metrics.num_aborted_requests.inc()
         queue.put_nowait(None)
-    except ServingError as exc:
-        await queue.put(exc)
+    except (ServingError, ValueError) as exc:
+        if exc is bad_constraint or (constraint is not None and "does not compile" in exc.message):
+            # SGLang's grammar manager aborts each choice of a request whose constraint does not compile
+            key = _grammar_key(obj.sampling_params)
+            reason = str(exc) if isinstance(exc, ValueError) else exc.message.partition("does not compile: ")[2]
+            for i in range(n):
+                await queue.put(output(i, {"type": "abort", "message": f"Failed to compile {key} grammar: {reason}",
+                                           "status_code": 400, "err_type": "BadRequestError"}))
+            await queue.put(None)
+        else:
+            await queue.put(exc)
     finally:
         for i in range(n) if metrics is not None else ():
             metrics.finish(rids[i], len(request.prompt_token_ids), generated[i])
+
+
+def _constraint(sp: SamplingParamsIn) -> StructuredOutput | None:
+    """The engine's constraint for SGLang's constraint fields (at most one is set).
+
+    Raises:
+        ValueError: `json_schema` is not JSON.
+    """
+    if sp.json_schema:
+        schema = json.loads(sp.json_schema)
+        if not isinstance(schema, dict):
+            raise ValueError(f"the JSON schema is not an object: {sp.json_schema[:100]}")
+        return StructuredOutput(json=schema)
+    if sp.regex:
+        return StructuredOutput(regex=sp.regex)
+    if sp.ebnf:
+        return StructuredOutput(grammar=sp.ebnf)
+    if sp.structural_tag:
+        return StructuredOutput(structural_tag=sp.structural_tag)
+    return None  # SGLang takes an empty string for none
+
+
+def _grammar_key(sp: SamplingParamsIn) -> str:
+    """The kind SGLang names in "Failed to compile <kind> grammar" (its grammar cache key)."""
+    return next(k for k, v in (("json", sp.json_schema), ("regex", sp.regex), ("ebnf", sp.ebnf),
+                               ("structural_tag", sp.structural_tag)) if v)
 
 
 def cpu_start_failure(args: argparse.Namespace) -> str | None:
