@@ -286,6 +286,13 @@ class EngineConfig(BaseModel):
                                          "reasoning models), as LLaMA-Factory does.")
     preserve_thinking: bool = Field(False, description="Reasoning templates keep the thoughts of earlier "
                                     "assistant turns in the prompt (LLaMA-Factory removes them by default).")
+    # lmserve: the thought out of `content` (LLaMA-Factory's API leaves it there).
+    reasoning_split: bool = Field(
+        True, description="Where the template marks thoughts (a LLaMA-Factory reasoning template such as "
+        "`qwen3`, or Jinja with `<think>`/`</think>`), chat answers carry the thought in `reasoning_content` and "
+        "`reasoning` and only the rest in `content`, with `usage.completion_tokens_details.reasoning_tokens` "
+        "(vLLM's `--reasoning-parser`). `false`: the thought stays inside `content`, as LLaMA-Factory's API "
+        "returns it.")
 
     # lmserve: continuous batching on the huggingface backend (LLaMA-Factory serves one at a time).
     hf: HuggingfaceArgs = Field(default_factory=HuggingfaceArgs, description="huggingface backend: `hf_*`.")

@@ -17,8 +17,10 @@ from openai.types import Completion, Model
 from openai.types import CompletionChoice as OpenAICompletionChoice
 from openai.types.chat import ChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
+from openai.types.chat import ChatCompletionMessage as OpenAIChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as OpenAIChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as OpenAIChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta as OpenAIChoiceDelta
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -361,6 +363,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; "none" turns thinking off, the others change no prompt (engines/prompt/reasoning.py)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -504,7 +508,24 @@ class ModelList(BaseModel):
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 
 
+class ChatCompletionMessage(OpenAIChatCompletionMessage):
+    """An answer; with a template that marks thoughts, the thought is in `reasoning_content`
+    (DeepSeek's and vLLM's name, read by most clients) and in `reasoning` (vLLM's newer name), the
+    same text, and `content` holds the rest (engines/prompt/reasoning.py)."""
+
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class ChoiceDelta(OpenAIChoiceDelta):
+    """A streamed piece of an answer; `reasoning_content` and `reasoning` as in `ChatCompletionMessage`."""
+
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
 class ChatCompletionChoice(OpenAIChatChoice):
+    message: ChatCompletionMessage
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
@@ -514,6 +535,7 @@ class ChatCompletionResponse(ChatCompletion):
 
 
 class ChatCompletionChunkChoice(OpenAIChunkChoice):
+    delta: ChoiceDelta
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 

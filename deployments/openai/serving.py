@@ -11,6 +11,7 @@ from typing import AsyncGenerator, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from openai.types import CompletionUsage
+from openai.types.completion_usage import CompletionTokensDetails
 from pydantic import BaseModel
 
 from deployments.serve.router import ServedModel, ModelRouter
@@ -65,12 +66,15 @@ class OpenAIServing:
                             generation, self.settings.client_read_timeout_s)
 
 
-def usage_info(usage: Usage | None) -> CompletionUsage:
-    """OpenAI's `usage` of an engine's `Usage` (zeros when the engine reported none)."""
+def usage_info(usage: Usage | None, reasoning_tokens: int | None = None) -> CompletionUsage:
+    """OpenAI's `usage` of an engine's `Usage` (zeros when the engine reported none); with
+    `reasoning_tokens`, `completion_tokens_details.reasoning_tokens` (part of `completion_tokens`)."""
+    details = ({"completion_tokens_details": CompletionTokensDetails(reasoning_tokens=reasoning_tokens)}
+               if reasoning_tokens is not None else {})
     if usage is None:
-        return CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        return CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0, **details)
     return CompletionUsage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                           total_tokens=usage.total_tokens)
+                           total_tokens=usage.total_tokens, **details)
 
 
 def json_response(model: BaseModel, backend: str) -> Response:

@@ -3,7 +3,8 @@ completion, or its chunks as server-sent events (vLLM's `serving_chat.py`).
 
 The prompt is rendered once, here, with the model's chat template (engines/prompt/renderer.py), so every
 backend sees the same token ids. Tool calls in the model's text become OpenAI `tool_calls`
-(engines/prompt/tool_calls.py), whole or streamed.
+(engines/prompt/tool_calls.py), whole or streamed; before them, where the template marks
+thoughts, the thought is split out of the answer into `reasoning_content` (engines/prompt/reasoning.py).
 """
 
 from __future__ import annotations
@@ -17,22 +18,23 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from openai.types import CompletionUsage
-from openai.types.chat import ChatCompletionMessage
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from deployments.serve import deployment_defaults as constants
 from deployments.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
+    ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChoiceDelta,
     clamp_logprob,
 )
 from deployments.serve.router import ServedModel, ModelRouter, check_capabilities, label_request
 from deployments.openai.serving import OpenAIServing, json_response, usage_info
 from deployments.settings import IngressSettings
 from deployments.openai.sse import sse_event
+from engines.prompt.reasoning import ReasoningStreamer, ThoughtWords, split_reasoning, template_kwargs_for_effort
 from engines.prompt.tool_calls import ToolCallParser, ToolCallStreamer, parse_tool_calls, parser_for
 from engines.prompt.tool_formats import FunctionCall
 from engines.base import GenerationDelta, GenerationRequest, MediaInput, TokenLogprob
@@ -73,29 +75,39 @@ class ChatServing(OpenAIServing):
         if self.settings.log_prompts:
             logger.info("%s messages=%r", request_id, messages)
         params = entry.renderer.with_stop_token_ids(body.to_sampling_params())
+        words = entry.renderer.thought_words if entry.config.reasoning_split else None
+        in_thought = words is not None and entry.renderer.prompt_opens_thought(prompt_ids)
         gen_request = GenerationRequest(request_id, prompt_ids, params, lora_name=entry.lora_name, media=media)
         created = int(time.time())
         if body.stream:
             first, stream = await self.router.start_stream(entry, gen_request, self.router.deadline(), arrival)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
-                                 parse_tools=body.tools_enabled, tool_parser=parser_for(entry.renderer.template))
+                                 parse_tools=body.tools_enabled, tool_parser=parser_for(entry.renderer.template),
+                                 thought_words=words, in_thought=in_thought)
             return self.sse_response(entry, chunks, stream)
         full = await self.router.generate_full(entry, gen_request, body.n, arrival)
         if self.settings.log_prompts:
             logger.info("%s completions=%r", request_id, full.texts)
-        choices = []
+        choices, reasoning_tokens = [], 0
         for i in range(body.n):
             parse = parser_for(entry.renderer.template) or parse_tool_calls
-            content, calls = parse(full.texts[i]) if body.tools_enabled else (full.texts[i], [])
+            content, calls, thought = full.texts[i], [], {}
+            if words is not None:  # the thought first; tool calls are read from the answer after it
+                split = split_reasoning(content, words, in_thought)
+                content, thought = split.content, {"reasoning_content": split.reasoning, "reasoning": split.reasoning}
+                reasoning_tokens += split.reasoning_tokens(full.token_marks[i])
+            if body.tools_enabled and content is not None:
+                content, calls = parse(content)
             tool_calls = {"tool_calls": [tool_call_json(c) for c in calls]} if calls else {}  # no `"tool_calls": null`
-            message = ChatCompletionMessage(role="assistant", content=content, **tool_calls)
+            message = ChatCompletionMessage(role="assistant", content=content, **thought, **tool_calls)
             choices.append(ChatCompletionChoice(
                 index=i, message=message, logprobs=chat_logprobs(full.logprobs[i]),
                 finish_reason="tool_calls" if calls else full.finish_reasons[i], stop_reason=full.stop_reasons[i]))
         return json_response(ChatCompletionResponse(
             id=request_id, object="chat.completion", created=created, model=entry.model_id,
-            usage=usage_info(full.usage), choices=choices), entry.capabilities.backend)
+            usage=usage_info(full.usage, reasoning_tokens if words is not None else None), choices=choices),
+            entry.capabilities.backend)
 
     async def render_prompt(self, entry: ServedModel, body: ChatCompletionRequest,
                             messages: list[dict]) -> tuple[list[int], MediaInput | None]:
@@ -113,7 +125,9 @@ class ChatServing(OpenAIServing):
                 image that is not allowed, too large, or unreadable; CONTEXT_LENGTH_EXCEEDED.
         """
         tools = body.tool_dicts() if body.tools_enabled else None
-        kwargs = body.chat_template_kwargs or {}
+        kwargs = template_kwargs_for_effort(body.reasoning_effort, body.chat_template_kwargs or {},
+                                            words=entry.renderer.thought_words,
+                                            can_switch=entry.renderer.can_switch_thinking)
         parts = image_parts(messages)
         if not parts:
             if not tools and _text_chars(messages) <= constants.INLINE_RENDER_MAX_CHARS:
@@ -136,14 +150,19 @@ class ChatServing(OpenAIServing):
 
 async def chat_chunks(request_id: str, created: int, model: str, n: int, first: list[GenerationDelta],
                       stream: AsyncIterator[GenerationDelta], include_usage: bool,
-                      parse_tools: bool = False, tool_parser: ToolCallParser | None = None) -> AsyncIterator[str]:
+                      parse_tools: bool = False, tool_parser: ToolCallParser | None = None,
+                      thought_words: ThoughtWords | None = None, in_thought: bool = False) -> AsyncIterator[str]:
     """The SSE events of a streamed chat completion: a role chunk per choice, a chunk per delta
     with text, logprobs or a finish reason (a tool call, once complete, as one chunk with
-    `finish_reason: "tool_calls"`), and the usage chunk last when `include_usage`.
+    `finish_reason: "tool_calls"`), and the usage chunk last when `include_usage`. With
+    `thought_words`, a thought's text goes in `reasoning_content`/`reasoning` chunks, and the
+    delta where it ends sends that chunk before the answer's.
 
     Args:
         first: the deltas already here when the response starts (`ModelRouter.start_stream`).
         stream: the rest.
+        thought_words, in_thought: the template's thought words (None: no split) and whether the
+            prompt opened the thought.
     Yields:
         One or more SSE events per string; the first string holds the role chunk and `first`'s.
     """
@@ -161,18 +180,30 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
 
     usage = None
     streamers = [ToolCallStreamer(tool_parser) for _ in range(n)] if parse_tools else None
+    reasoners = [ReasoningStreamer(thought_words, in_thought) for _ in range(n)] if thought_words else None
 
     def render(delta: GenerationDelta) -> list[str]:
         nonlocal usage
         usage = delta.usage or usage
-        text, finish, calls = delta.text, delta.finish_reason, []
+        text, finish, calls, thought = delta.text, delta.finish_reason, [], ""
+        if reasoners is not None:
+            thought, text = reasoners[delta.index].feed(text, delta.num_tokens)
+            if finish:
+                rest_thought, rest = reasoners[delta.index].finish()
+                thought, text = thought + rest_thought, text + rest
         if streamers is not None:
             text = streamers[delta.index].feed(text)
             if finish:
                 rest, calls = streamers[delta.index].finish()
                 text += rest
+        out = []
+        if thought:
+            thought_delta = ChoiceDelta(reasoning_content=thought, reasoning=thought)
+            if not (text or calls):  # only thought: this chunk carries the logprobs and the finish
+                return [chunk([choice(delta.index, thought_delta, chat_logprobs(delta.logprobs), finish,
+                                      delta.stop_reason)])]
+            out.append(chunk([choice(delta.index, thought_delta)]))
         if calls:
-            out = []
             if text:
                 out.append(chunk([choice(delta.index, ChoiceDelta(content=text))]))
             tool_calls = [tool_call_json(c, k) for k, c in enumerate(calls)]
@@ -180,9 +211,9 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
                                      stop_reason=delta.stop_reason)]))
             return out
         if text or finish or delta.logprobs:
-            return [chunk([choice(delta.index, ChoiceDelta(content=text), chat_logprobs(delta.logprobs), finish,
-                                  delta.stop_reason)])]
-        return []
+            out.append(chunk([choice(delta.index, ChoiceDelta(content=text), chat_logprobs(delta.logprobs), finish,
+                                     delta.stop_reason)]))
+        return out
 
     # The role chunk and the chunks of the deltas already here leave in one body write: one
     # send through uvicorn, HAProxy and the client instead of one per event (same events).
@@ -194,7 +225,7 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
         for text in render(delta):
             yield text
     if include_usage and usage is not None:
-        yield chunk([], usage_info(usage))
+        yield chunk([], usage_info(usage, sum(r.reasoning_tokens for r in reasoners) if reasoners else None))
 
 
 def tool_call_json(call: FunctionCall, index: int | None = None) -> dict:

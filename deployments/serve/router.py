@@ -369,13 +369,16 @@ def _ray_serve_errors() -> Iterator[None]:
 
 class FullGeneration:
     """All deltas of a non-streamed request, per choice: `texts`, `finish_reasons`,
-    `stop_reasons`, `logprobs` (None where not asked for); `usage` of the whole request."""
+    `stop_reasons`, `logprobs` (None where not asked for), `token_marks` (characters and tokens
+    of the text after each delta, cumulative: which tokens made which text, at the deltas'
+    granularity); `usage` of the whole request."""
 
     def __init__(self, n: int):
         self.texts: list[str] = [""] * n
         self.finish_reasons: list[str | None] = [None] * n
         self.stop_reasons: list[str | int | None] = [None] * n
         self.logprobs: list[list[TokenLogprob] | None] = [None] * n
+        self.token_marks: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self.usage: Usage | None = None
 
 
@@ -392,6 +395,9 @@ async def _collect(n: int, first: list[GenerationDelta], stream: AsyncIterator[G
     full = FullGeneration(n)
     async for delta in _chain(first, stream):
         texts[delta.index].append(delta.text)
+        marks = full.token_marks[delta.index]
+        chars, tokens = marks[-1] if marks else (0, 0)
+        marks.append((chars + len(delta.text), tokens + delta.num_tokens))
         if delta.logprobs:
             full.logprobs[delta.index] = (full.logprobs[delta.index] or []) + delta.logprobs
         if delta.finish_reason:

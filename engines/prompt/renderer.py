@@ -33,6 +33,7 @@ from engines.base import MediaInput, SamplingParams
 from engines.prompt.templates import TOKENIZER_TEMPLATE, ChatTemplate, TemplateError, get_template, parse_template
 from engines.errors import ServingError
 from engines.prompt.media import fit_pixels
+from engines.prompt.reasoning import ThoughtWords, prompt_opens_thought, thought_words_for
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class PromptRenderer:
             self.chat_template = Path(template).expanduser().read_text()
         else:
             self._use_template(template, default_system, enable_thinking, preserve_thinking, tool_format)
+        self.thought_words: ThoughtWords | None = thought_words_for(self.template, self.chat_template)
 
     def _use_template(self, name: str | None, default_system: str | None, enable_thinking: bool | None,
                       preserve_thinking: bool, tool_format: str | None) -> None:
@@ -135,6 +137,20 @@ class PromptRenderer:
         if not extra:
             return params
         return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
+
+    @property
+    def can_switch_thinking(self) -> bool:
+        """Whether a request's `enable_thinking` switches thinking: a LLaMA-Factory reasoning
+        template (an empty thought closes it), or Jinja that reads `enable_thinking`."""
+        if self.template is not None:
+            return bool(self._variants)
+        return "enable_thinking" in (self.chat_template or "")
+
+    def prompt_opens_thought(self, prompt_ids: list[int]) -> bool:
+        """Whether generation starts inside a thought: the template marks thoughts and the
+        prompt ends with its opening word (`engines.prompt.reasoning.prompt_opens_thought`)."""
+        return self.thought_words is not None and prompt_opens_thought(self.tokenizer, prompt_ids,
+                                                                      self.thought_words)
 
     @property
     def accepts_images(self) -> bool:

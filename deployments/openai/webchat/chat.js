@@ -364,14 +364,15 @@
     return window.DOMPurify.sanitize(window.marked.parse(text, { gfm: true, breaks: true }), PURIFY);
   }
 
-  // `<think>...</think>` at the start of an answer (reasoning templates) -> [thought, answer]
+  // `<think>...</think>` at the start of an answer (reasoning templates served with
+  // `reasoning_split: false`; otherwise the thought arrives in `reasoning_content`) -> [thought, answer]
   function splitThought(text) {
     const match = /^\s*<think>([\s\S]*?)(?:<\/think>|$)([\s\S]*)$/.exec(text);
     return match ? [match[1].trim(), match[2]] : [null, text];
   }
 
-  function renderMarkdown(body, text) {
-    const [thought, answer] = splitThought(text);
+  function renderMarkdown(body, text, reasoning = "") {
+    const [thought, answer] = reasoning ? [reasoning.trim(), text] : splitThought(text);
     const parts = [];
     if (thought !== null) {
       const details = el("details", "thought");
@@ -542,7 +543,7 @@
   }
 
   function renderAssistantBody(body, turn) {
-    if (turn.text) renderMarkdown(body, turn.text);
+    if (turn.text || turn.thought) renderMarkdown(body, turn.text, turn.thought);
     else body.replaceChildren();
     renderToolCalls(body, turn);
     if (turn.status === "error") body.appendChild(el("div", "error-box", "Error: " + turn.error));
@@ -671,6 +672,8 @@
     if (chunk.usage) turn.usage = chunk.usage;
     for (const choice of chunk.choices || []) {
       const delta = choice.delta || {};
+      const thought = delta.reasoning_content ?? delta.reasoning; // sent back in no later request
+      if (thought) turn.thought = (turn.thought || "") + thought;
       if (delta.content) turn.text += delta.content;
       for (const piece of delta.tool_calls || []) {
         const at = piece.index ?? turn.toolCalls.length;
