@@ -32,7 +32,7 @@ FEATURE_LABELS: dict[str, str] = {
     "min_p": "`min_p`",
     "logit_bias": "`logit_bias`",
     "lora": "LoRA adapters (model ID `<model_id>:<adapter>`)",
-    "response_format": "`response_format`: `json_object`, `json_schema`",
+    "response_format": "`response_format` (`json_object`, `json_schema`), `structured_outputs`",
     "forced_tool_choice": "`tool_choice`: `required` or a named function",
     "images": "`image_url` content parts (vision-language models)",
     "scoring": "reward models (`stage: rm`), `POST /v1/score/evaluation`",

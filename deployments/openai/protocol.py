@@ -8,6 +8,7 @@ as vLLM does, so newer clients keep working.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -225,15 +226,7 @@ class ResponseFormat(StrictModel):
             return self
         if self.json_schema is None or self.json_schema.schema_ is None:
             raise ValueError("type 'json_schema' needs `json_schema: {name, schema}`")
-        import jsonschema
-
-        schema = self.json_schema.schema_
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            raise ValueError(f"json_schema.schema is not a valid JSON Schema: {exc.message}") from None
-        except RecursionError:
-            raise ValueError("json_schema.schema is nested too deep to check") from None
+        _check_json_schema(self.json_schema.schema_, "json_schema.schema")
         return self
 
     def structured_output(self) -> StructuredOutput | None:
@@ -245,9 +238,140 @@ class ResponseFormat(StrictModel):
         return StructuredOutput(json_object=True)
 
 
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's `structured_outputs` request field (`vllm.sampling_params.StructuredOutputsParams`,
+    vLLM 0.32): exactly one constraint of `json` (a JSON Schema, as an object or as JSON text),
+    `regex`, `choice`, `grammar` (EBNF, xgrammar's syntax), `json_object` or `structural_tag`.
+    vLLM's JSON options that change the grammar (`disable_any_whitespace`,
+    `disable_additional_properties`, `whitespace_pattern`) are refused when set, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "StructuredOutputsRequest":
+        kinds = [name for name, value in self._kinds().items() if value not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("set exactly one of json, regex, choice, grammar, json_object, structural_tag"
+                             + (f" (got {', '.join(kinds)})" if kinds else ""))
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice: must list at least one string")
+        for option in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"):
+            if getattr(self, option) not in (None, False):
+                raise ValueError(f"{option} is not supported by lmserve")
+        if isinstance(self.json_, str):
+            try:
+                schema = json.loads(self.json_)
+            except ValueError as exc:
+                raise ValueError(f"json: not JSON text: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("json: must be a JSON Schema object")
+            self.json_ = schema
+        if self.json_ is not None:
+            _check_json_schema(self.json_, "json")
+        return self
+
+    def _kinds(self) -> dict[str, Any]:
+        return {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                "json_object": self.json_object, "structural_tag": self.structural_tag}
+
+    def constraint(self) -> StructuredOutput:
+        """The engine's constraint (`StructuredOutput` takes vLLM's names)."""
+        kind, value = next((k, v) for k, v in self._kinds().items() if v not in (None, False))
+        if kind == "structural_tag" and isinstance(value, dict):
+            value = json.dumps(value)
+        return StructuredOutput(**{kind: value})
+
+
+# vLLM's request fields of its guided decoding before `structured_outputs` (removed in vLLM 0.12),
+# still sent by older clients: each is the `structured_outputs` constraint of the same kind.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+# Documented request fields of OpenAI's API and vLLM's server that change the answer and that
+# lmserve does not implement: set to anything but their default they get a 400 naming them,
+# never a 200 that ignored them. (Fields that only label a request, such as `user`, `metadata`,
+# `store`, `service_tier`, `cache_salt`, stay accepted.) Field -> (default, what it is).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "prompt_logprobs": (None, "vLLM's prompt logprobs"),
+    "return_token_ids": (False, "vLLM's token ids in the response"),
+    "return_tokens_as_token_ids": (False, "vLLM's tokens as token ids"),
+    "use_beam_search": (False, "beam search"),
+    "length_penalty": (1.0, "beam search's length penalty"),
+    "include_stop_str_in_output": (False, "vLLM's stop string kept in the output"),
+    "min_tokens": (0, "vLLM's minimum number of tokens"),
+    "truncate_prompt_tokens": (None, "vLLM's prompt truncation"),
+    "bad_words": (None, "vLLM's banned words"),
+    "allowed_token_ids": (None, "vLLM's allowed token ids"),
+    "spaces_between_special_tokens": (True, "vLLM's detokenization option"),
+    "priority": (0, "vLLM's request priority"),
+    "guided_decoding_backend": (None, "vLLM's former guided decoding backend choice"),
+    "guided_whitespace_pattern": (None, "vLLM's former guided decoding whitespace"),
+    "vllm_xargs": (None, "vLLM's extra arguments for its plugins"),
+    "kv_transfer_params": (None, "vLLM's disaggregated prefill"),
+    "functions": (None, "OpenAI's deprecated function calling (use `tools`)"),
+    "function_call": (None, "OpenAI's deprecated function calling (use `tool_choice`)"),
+    "audio": (None, "audio output"),
+    "prediction": (None, "OpenAI's predicted outputs"),
+    "web_search_options": (None, "OpenAI's web search"),
+    "echo": (False, "echoing the prompt in a chat completion"),
+    "continue_final_message": (False, "vLLM's continuing of the last assistant message"),
+    "add_generation_prompt": (True, "vLLM's switch for the generation prompt"),
+    "chat_template": (None, "a chat template sent with the request (set `template` in the model's config)"),
+    "documents": (None, "vLLM's documents for the chat template"),
+}
+
+
+def _check_json_schema(schema: dict[str, Any], where: str) -> None:
+    """Check `schema` against the JSON Schema metaschema (`jsonschema`).
+
+    Raises:
+        ValueError: naming `where` and the first problem.
+    """
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"{where} is not a valid JSON Schema: {exc.message}") from None
+    except RecursionError:
+        raise ValueError(f"{where} is nested too deep to check") from None
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # vLLM's usage in every chunk: not implemented, refused when true (SamplingFields)
     continuous_usage_stats: bool = False
+
+
+def _problems(exc: ValidationError) -> str:
+    """A nested model's validation errors as one message, each naming its inner field."""
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        msg = err["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(problems)
+
+
+def _one_error(model: type[BaseModel], value: Any) -> Any:
+    """Validate `value` as `model`, reporting any problem inside it as one error on the field
+    that holds it (OpenAI's `param`), its message naming the inner field."""
+    if value is None or isinstance(value, model):
+        return value
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise ValueError(_problems(exc)) from None
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -273,6 +397,11 @@ class SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -317,6 +446,40 @@ class SamplingFields(OpenAIBaseModel):
             raise field_error("stream_options", "only allowed when `stream` is true")
         return self
 
+    @model_validator(mode="after")
+    def _no_unsupported_extension(self) -> "SamplingFields":
+        """A documented field that would change the answer and that lmserve does not implement
+        (`UNSUPPORTED_FIELDS`) is refused by name, not ignored."""
+        extra = self.model_extra or {}
+        for name, (default, what) in UNSUPPORTED_FIELDS.items():
+            if name in extra and extra[name] is not None and extra[name] != default and extra[name] != []:
+                raise field_error(name, f"{what} is not supported by lmserve")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise field_error("stream_options", "continuous_usage_stats (vLLM's usage in every chunk) is not "
+                              "supported by lmserve; include_usage sends the usage in the last chunk")
+        return self
+
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _one_structured_outputs_error(cls, value: Any) -> Any:
+        return _one_error(StructuredOutputsRequest, value)
+
+    @model_validator(mode="after")
+    def _one_constraint_source(self) -> "SamplingFields":
+        sources = [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+                   if getattr(self, name, None) is not None
+                   and not (name == "response_format" and getattr(self, name).type == "text")]
+        if len(sources) > 1:
+            raise field_error(sources[1], f"constrain the output with one of {', '.join(sources)}, not several")
+        guided = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if guided:
+            value = getattr(self, guided[0])
+            try:
+                self.structured_outputs = StructuredOutputsRequest.model_validate({GUIDED_FIELDS[guided[0]]: value})
+            except ValidationError as exc:
+                raise field_error(guided[0], _problems(exc)) from None
+        return self
+
     def effective_max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -348,8 +511,8 @@ class SamplingFields(OpenAIBaseModel):
         return None
 
     def structured_output(self) -> StructuredOutput | None:
-        """The JSON constraint asked for by `response_format`, if any."""
-        return None
+        """The constraint asked for by `structured_outputs` (or a `guided_*` field), if any."""
+        return self.structured_outputs.constraint() if self.structured_outputs is not None else None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -361,6 +524,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's; "none" turns thinking off, the others change no prompt (engines/prompt/reasoning.py)
@@ -373,24 +537,15 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def structured_output(self) -> StructuredOutput | None:
-        return self.response_format.structured_output() if self.response_format else None
+        """The constraint of `response_format` (OpenAI's), or else of `structured_outputs` (vLLM's)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return self.response_format.structured_output()
+        return super().structured_output()
 
     @field_validator("response_format", mode="before")
     @classmethod
     def _one_response_format_error(cls, value: Any) -> Any:
-        """Report any problem inside `response_format` as one error on `response_format`
-        (OpenAI's `param`), its message naming the inner field."""
-        if value is None or isinstance(value, ResponseFormat):
-            return value
-        try:
-            return ResponseFormat.model_validate(value)
-        except ValidationError as exc:
-            problems = []
-            for err in exc.errors():
-                where = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-                msg = err["msg"].removeprefix("Value error, ")
-                problems.append(f"{where}: {msg}" if where else msg)
-            raise ValueError("; ".join(problems)) from None
+        return _one_error(ResponseFormat, value)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
@@ -421,11 +576,22 @@ class ChatCompletionRequest(SamplingFields):
         """Tools are rendered into the prompt and parsed out of the output."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def forced_tool_choice(self) -> str | None:
+        """`"required"`, or the name of the function `tool_choice` forces; None when no call is forced."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
+
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> "ChatCompletionRequest":
         # vLLM (`check_tool_usage`) and OpenAI's API refuse any tool_choice but "none" without tools
         if self.tool_choice not in (None, "none") and self.tools is None:
             raise field_error("tool_choice", "only allowed when `tools` are given")
+        # vLLM (`check_structured_outputs_count`): a forced tool call is a constraint of its own
+        if self.tool_choice not in (None, "none", "auto") and self.structured_output() is not None:
+            raise field_error("tool_choice", "a forced tool call cannot be combined with response_format or "
+                              "structured_outputs")
         return self
 
 

@@ -3,6 +3,7 @@ the HTTP settings, request IDs, usage, and the JSON and SSE responses with lmser
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from functools import partial
@@ -17,7 +18,7 @@ from pydantic import BaseModel
 from deployments.serve.router import ServedModel, ModelRouter
 from deployments.settings import IngressSettings
 from deployments.openai.sse import response_headers, sse_response
-from engines.base import GenerationDelta, Usage
+from engines.base import GenerationDelta, StructuredOutput, Usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,6 +35,27 @@ class OpenAIServing:
         self.router = router
         self.settings = settings
         self._context_lengths: dict[str, int] = {}  # configured model ID -> tokens
+        self._grammar_compilers: dict[str, asyncio.Future] = {}  # configured model ID -> GrammarCompiler
+
+    async def check_structured_output(self, entry: ServedModel, constraint: StructuredOutput | None) -> None:
+        """Compile `constraint` against the model's tokenizer (engines/structured_output.py,
+        xgrammar, cached, bounded in time), so that a schema, regex or grammar that cannot
+        compile is a 400 naming its field on every backend, before any engine sees the request.
+
+        Raises:
+            ServingError: INVALID_REQUEST from `GrammarCompiler.compile`.
+        """
+        if constraint is None:
+            return
+        model_id = entry.parent or entry.model_id
+        if model_id not in self._grammar_compilers:
+            from engines.structured_output import GrammarCompiler
+
+            renderer = entry.renderer
+            self._grammar_compilers[model_id] = asyncio.ensure_future(asyncio.to_thread(
+                GrammarCompiler, renderer.tokenizer, len(renderer.tokenizer), renderer.stop_token_ids or None))
+        compiler = await self._grammar_compilers[model_id]
+        await asyncio.to_thread(compiler.compile, constraint)
 
     async def context_length(self, entry: ServedModel) -> int | None:
         """The context length of `entry`'s model (tokens, `ModelInfo.max_model_len`), asked of

@@ -49,6 +49,7 @@ class CompletionServing(OpenAIServing):
         entry = self.router.resolve(body.model)
         label_request(request, entry)
         check_capabilities(entry, body)
+        await self.check_structured_output(entry, body.structured_output())
         for feature, used in (("echo", body.echo), ("suffix", body.suffix is not None),
                               ("best_of", (body.best_of or 1) > 1)):
             if used:

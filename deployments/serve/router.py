@@ -119,7 +119,9 @@ def check_capabilities(entry: ServedModel, req: SamplingFields) -> None:
     tool_choice = getattr(req, "tool_choice", None)
     if tool_choice is not None and not isinstance(tool_choice, str):  # a named function
         tool_choice = tool_choice.model_dump()
-    response_format = getattr(req, "response_format", None)
+    constraint = req.structured_output()
+    constraint_param = "structured_outputs" if getattr(req, "structured_outputs", None) is not None \
+        else "response_format"
     # capability -> (wanted by this request, the request field to name, how to say it)
     wants = {
         "streaming": (req.stream, "stream", "streaming"),
@@ -132,8 +134,8 @@ def check_capabilities(entry: ServedModel, req: SamplingFields) -> None:
         "logit_bias": (bool(req.logit_bias), "logit_bias", "logit_bias"),
         "lora": (entry.lora_name is not None, "model", "LoRA adapters"),
         "logprobs": (req.num_logprobs() is not None, "logprobs", "logprobs"),
-        "response_format": (req.structured_output() is not None, "response_format",
-                            f"response_format type {getattr(response_format, 'type', None)!r}"),
+        "response_format": (constraint is not None, constraint_param,
+                            f"{constraint_param} ({constraint.kind if constraint else ''}, constrained decoding)"),
         "forced_tool_choice": (tool_choice not in (None, "none", "auto"), "tool_choice",
                                f"tool_choice={tool_choice!r} (forcing a tool call)"),
         "tools_in_template": (bool(getattr(req, "tools_enabled", False)), "tools", "tools"),
