@@ -324,7 +324,7 @@ class Capabilities:
     logit_bias: bool = True
     lora: bool = False
     response_format: bool = False  # constrained decoding: every kind of `StructuredOutput`
-    forced_tool_choice: bool = False  # tool_choice "required" or a named function
+    forced_tool_choice: bool = False  # tool_choice "required" or a named function (as constrained decoding)
     scoring: bool = False  # reward models (`stage` other than "sft"): /v1/score/evaluation
     tools_in_template: bool = True
     images: bool = False  # image content parts (`GenerationRequest.media`) reach the model
@@ -352,9 +352,22 @@ class Engine(abc.ABC):
             ConfigError: naming the field (backends override; the default checks nothing).
         """
 
+    @classmethod
+    def for_replica(cls, config: "EngineConfig", model_id: str) -> "Engine":
+        """The (unstarted) engine a serving replica runs for `model_id`: `cls(config)`; a backend
+        whose engine reports its own metrics under the model's name overrides it (vLLM)."""
+        return cls(config)
+
     @abc.abstractmethod
     async def start(self) -> None:
         """Load the model; raises `ModelLoadError` naming the path when it cannot."""
+
+    async def export_metrics(self, model_id: str, exporter: "MetricsExporter") -> None:
+        """Export what only the engine knows (KV-cache usage, prefix-cache hits, its queue) to
+        `exporter` (`ray.util.metrics` in a replica) until cancelled; call after `start`.
+        Returns at once for engines with nothing to export, or that export through their own
+        means (vLLM's Ray stat logger, given by `for_replica`)."""
+        return None
 
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
@@ -370,22 +383,9 @@ class Engine(abc.ABC):
     async def check_health(self) -> None:
         """Return if the engine can serve; raise `ServingError` (UNAVAILABLE) otherwise."""
 
-    async def export_metrics(self, model_id: str, exporter: "MetricsExporter") -> None:
-        """Export what only the engine knows (KV-cache usage, prefix-cache hits, its queue) to
-        `exporter` (`ray.util.metrics` in a replica) until cancelled; call after `start`.
-        Returns at once for engines with nothing to export, or that export through their own
-        means (vLLM's Ray stat logger, given by `for_replica`)."""
-        return None
-
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Release the model and any child processes."""
-
-    @classmethod
-    def for_replica(cls, config: "EngineConfig", model_id: str) -> "Engine":
-        """The (unstarted) engine a serving replica runs for `model_id`: `cls(config)`; a backend
-        whose engine reports its own metrics under the model's name overrides it (vLLM)."""
-        return cls(config)
 
     @abc.abstractmethod
     def model_info(self) -> ModelInfo:

@@ -207,7 +207,8 @@ class VLLMEngine(Engine):
     one); another loop gets `ServingError` (UNAVAILABLE).
     """
 
-    capabilities = Capabilities(backend="vllm", logprobs=True, lora=True, response_format=True, images=True)
+    capabilities = Capabilities(backend="vllm", logprobs=True, lora=True, response_format=True,
+                                forced_tool_choice=True, images=True)
 
     def __init__(self, config: EngineConfig, *, served_model_name: str | None = None,
                  stat_loggers: Sequence[Any] = ()):

@@ -212,8 +212,8 @@ def test_api_keys_are_checked_before_anything_else(tiny_model_dir):
     ({**CHAT, "n": 0}, "n"),
     ({**CHAT, "temperature": -1}, "temperature"),
     ({"model": "fake", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-     "tool_choice"),  # the huggingface backend cannot force a tool call
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),  # not among `tools`
 ])
 def test_a_bad_request_is_a_400_naming_the_field(tiny_model_dir, body, param):
     engine = FakeEngine()

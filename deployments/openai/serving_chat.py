@@ -10,6 +10,7 @@ thoughts, the thought is split out of the answer into `reasoning_content` (engin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -37,6 +38,7 @@ from deployments.openai.sse import sse_event
 from engines.prompt.reasoning import ReasoningStreamer, ThoughtWords, split_reasoning, template_kwargs_for_effort
 from engines.prompt.tool_calls import ToolCallParser, ToolCallStreamer, parse_tool_calls, parser_for
 from engines.prompt.tool_formats import FunctionCall
+from engines.prompt.tool_grammar import forced_tool_call
 from engines.base import GenerationDelta, GenerationRequest, MediaInput, TokenLogprob
 from engines.errors import ServingError
 from engines.prompt.media import ImageLoader, image_parts
@@ -69,12 +71,20 @@ class ChatServing(OpenAIServing):
         entry = self.router.resolve(body.model)
         label_request(request, entry)
         check_capabilities(entry, body)
+        constraint = body.structured_output()
+        if body.forced_tool_choice is not None:  # the call written in the template's own tool format
+            template = entry.renderer.template
+            constraint = forced_tool_call(None if template is None else template.tool_format or "default",
+                                          body.tool_dicts(), body.forced_tool_choice,
+                                          parallel_tool_calls=body.parallel_tool_calls is not False)
+        await self.check_structured_output(entry, constraint)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         prompt_ids, media = await self.render_prompt(entry, body, messages)
         request_id = self.request_id(request, "chatcmpl")
         if self.settings.log_prompts:
             logger.info("%s messages=%r", request_id, messages)
-        params = entry.renderer.with_stop_token_ids(body.to_sampling_params())
+        params = dataclasses.replace(entry.renderer.with_stop_token_ids(body.to_sampling_params()),
+                                     structured_output=constraint)
         words = entry.renderer.thought_words if entry.config.reasoning_split else None
         in_thought = words is not None and entry.renderer.prompt_opens_thought(prompt_ids)
         gen_request = GenerationRequest(request_id, prompt_ids, params, lora_name=entry.lora_name, media=media)

@@ -72,8 +72,8 @@ class HuggingFaceEngine(Engine):
         config: the model's `EngineConfig` (`infer_backend: huggingface`).
     """
 
-    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=True, images=True,
-                                scoring=True)
+    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=True,
+                                forced_tool_choice=True, images=True, scoring=True)
 
     def __init__(self, config: EngineConfig):
         self.config = config

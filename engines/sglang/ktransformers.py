@@ -44,7 +44,7 @@ class KTransformersEngine(SGLangEngine):
     """
 
     capabilities = Capabilities(backend="ktransformers", seed=False, logprobs=True, lora=False,
-                                response_format=True)
+                                response_format=True, forced_tool_choice=True)
     server_name = "ktransformers"
 
     def launch_arguments(self, model_path: Path, port: int, api_key: str, max_len: int) -> list[str]:
