@@ -351,3 +351,24 @@ def test_another_event_loop_gets_a_clear_error(vllm_engine, renderer):
     with pytest.raises(ServingError, check=lambda e: e.kind == "unavailable", match="event loop"):
         run(collect(vllm_engine, GenerationRequest("x", renderer.render_chat(QUESTION), SamplingParams(max_tokens=1))))
     assert finish_of(generate(vllm_engine, renderer.render_chat(QUESTION), max_tokens=1)) == ["length"]
+
+
+def test_a_forced_tool_call_follows_its_format_and_schema(vllm_engine, renderer):
+    """A forced call's grammar (engines/prompt/tool_grammar.py: EBNF with xgrammar's lookaheads)
+    is taken by vLLM as `grammar`, and the calls come out in the format with valid arguments."""
+    import jsonschema
+
+    from engines.prompt.tool_formats import get_tool_format
+    from engines.prompt.tool_grammar import forced_tool_call
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    ids = renderer.render_chat([{"role": "user", "content": "What's the weather in Paris and in Rome?"}])
+    deltas = generate(vllm_engine, ids, temperature=1.0, seed=3, max_tokens=80,
+                      structured_output=forced_tool_call("llama3", tools, "required"))
+    assert finish_of(deltas) == ["stop"]
+    calls = get_tool_format("llama3").extract_tool_calls(text_of(deltas))
+    assert isinstance(calls, list) and calls and {c.name for c in calls} == {"get_weather"}
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), params)
