@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 from typing import Any
 
@@ -110,6 +111,34 @@ def assert_stream_matches_full(client, **args) -> list:
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     return chunks
+
+
+def assert_parse_and_forced_call(client, model: str, tool_choice) -> None:
+    """What client libraries lean on, through the official client: `.parse()` into a pydantic
+    model, and a forced tool call (`tool_choice`: "required" or a named function) whose calls
+    validate against the tool's schema."""
+    import jsonschema
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+
+    messages = [{"role": "user", "content": "Name the capital of France and its country."}]
+    parsed = client.chat.completions.parse(model=model, messages=messages, response_format=City, temperature=0,
+                                           max_tokens=80).choices[0].message.parsed
+    assert isinstance(parsed, City)
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+              "additionalProperties": False}
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What's the weather in Paris?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": params}}],
+        tool_choice=tool_choice, temperature=0, max_tokens=60)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    calls = answer.choices[0].message.tool_calls  # "required": one or more
+    assert calls and {call.function.name for call in calls} == {"get_weather"}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), params)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ One Ray Serve app serves the same weights as `smollm2-hf` (huggingface), `smollm
 .ci/setup-sglang builds, configured as a user would (`sglang_device: cpu`,
 `sglang_launch_command`), and is compared with the session's huggingface app (`client`)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import TEST_API_KEY, assert_stream_matches_full, chat
+from conftest import TEST_API_KEY, assert_parse_and_forced_call, assert_stream_matches_full, chat
 from real_sglang import launch_command
 
 pytestmark = pytest.mark.slow
@@ -214,28 +213,5 @@ def test_deleting_the_app_leaves_no_server_process(real_client, real_sglang_pyth
 
 @pytest.mark.real_sglang
 def test_real_server_parse_and_a_forced_tool_call_validate(real_client):
-    """What client libraries lean on, on the real SGLang: `.parse()` into a pydantic model, and a
-    forced call (lmserve's grammar in the template's tool format, as SGLang's `ebnf`) whose
-    arguments validate."""
-    import jsonschema
-    from pydantic import BaseModel, Field
-
-    class City(BaseModel):
-        name: str = Field(max_length=24)
-        country: str = Field(max_length=24)
-
-    messages = [{"role": "user", "content": "Name the capital of France and its country."}]
-    parsed = real_client.chat.completions.parse(model="smollm2-real", messages=messages, response_format=City,
-                                                temperature=0, max_tokens=80).choices[0].message.parsed
-    assert isinstance(parsed, City)
-    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
-              "additionalProperties": False}
-    answer = real_client.chat.completions.create(
-        model="smollm2-real", messages=[{"role": "user", "content": "What's the weather in Paris?"}],
-        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": params}}],
-        tool_choice="required", temperature=0, max_tokens=60)
-    assert answer.choices[0].finish_reason == "tool_calls"
-    calls = answer.choices[0].message.tool_calls  # "required": one or more
-    assert calls and {call.function.name for call in calls} == {"get_weather"}
-    for call in calls:
-        jsonschema.validate(json.loads(call.function.arguments), params)
+    """`.parse()` and a forced call (lmserve's grammar as SGLang's `ebnf`) on the real SGLang."""
+    assert_parse_and_forced_call(real_client, "smollm2-real", "required")

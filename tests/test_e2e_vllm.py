@@ -6,7 +6,7 @@ import json
 import openai
 import pytest
 
-from conftest import TEST_API_KEY, assert_stream_matches_full, chat
+from conftest import TEST_API_KEY, assert_parse_and_forced_call, assert_stream_matches_full, chat
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +124,6 @@ CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "re
 
 
 def test_vllm_response_format_json_schema_and_json_object(backends_client):
-    import json
 
     import jsonschema
 
@@ -156,27 +155,7 @@ def test_vllm_schema_it_cannot_compile_is_400(backends_client):
 
 
 def test_vllm_parse_and_a_forced_tool_call_validate(backends_client):
-    """What client libraries lean on, on the vllm backend: `.parse()` into a pydantic model, and a
-    forced call (lmserve's grammar in the template's tool format) whose arguments validate. The
-    base model (`:base`): with the session's test adapter the model is a worse JSON writer."""
-    import jsonschema
-    from pydantic import BaseModel, Field
-
-    class City(BaseModel):
-        name: str = Field(max_length=24)
-        country: str = Field(max_length=24)
-
-    messages = [{"role": "user", "content": "Name the capital of France and its country."}]
-    parsed = backends_client.chat.completions.parse(model="smollm2-vllm:base", messages=messages, response_format=City,
-                                                    temperature=0, max_tokens=80).choices[0].message.parsed
-    assert isinstance(parsed, City)
-    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
-              "additionalProperties": False}
-    answer = backends_client.chat.completions.create(
-        model="smollm2-vllm:base", messages=[{"role": "user", "content": "What's the weather in Paris?"}],
-        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": params}}],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=60)
-    assert answer.choices[0].finish_reason == "tool_calls"
-    [call] = answer.choices[0].message.tool_calls
-    assert call.function.name == "get_weather"
-    jsonschema.validate(json.loads(call.function.arguments), params)
+    """`.parse()` and a forced call on the vllm backend. The base model (`:base`): with the
+    session's test adapter the model is a worse JSON writer."""
+    assert_parse_and_forced_call(backends_client, "smollm2-vllm:base",
+                                 {"type": "function", "function": {"name": "get_weather"}})
