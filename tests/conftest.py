@@ -9,6 +9,9 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -111,6 +114,32 @@ def assert_stream_matches_full(client, **args) -> list:
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     return chunks
+
+
+# tests/clients/structured.py's cases: each a client library's way of asking for a pydantic model
+CLIENT_CASES = ["openai_parse", "instructor_tools", "instructor_json_schema", "pydantic_ai_tool_output",
+                "pydantic_ai_native_output", "langchain_json_schema", "langchain_function_calling"]
+
+
+@pytest.fixture(scope="session")
+def clients_python() -> str:
+    """The python of the client libraries' environment (.ci/setup-clients, built once, cached)."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["bash", str(root / ".ci" / "setup-clients")], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def client_library_results(python: str, base_url: str, model: str) -> dict[str, dict]:
+    """Run every `CLIENT_CASES` case against `base_url` (`.../v1`) and `model`: case -> its result
+    (`ok`, `value` or `error`)."""
+    script = Path(__file__).resolve().parent / "clients" / "structured.py"
+    proc = subprocess.run([python, str(script), base_url, TEST_API_KEY, model, *CLIENT_CASES], capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {line["case"]: line for line in lines}
 
 
 def assert_parse_and_forced_call(client, model: str, tool_choice) -> None:

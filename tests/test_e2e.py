@@ -211,10 +211,12 @@ def test_tool_history_is_rendered(client):
     assert resp.choices[0].finish_reason in ("stop", "length")
 
 
-def test_forced_tool_choice_is_refused_by_name(client):
+def test_forcing_a_function_not_in_tools_is_refused_by_name(client):
+    """Forced calls themselves: tests/test_e2e_structured.py."""
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="smollm2", messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required")
-    assert info.value.body["param"] == "tool_choice" and "huggingface" in info.value.body["message"]
+        client.chat.completions.create(model="smollm2", messages=QUESTION, tools=[WEATHER_TOOL],
+                                       tool_choice={"type": "function", "function": {"name": "send_email"}})
+    assert info.value.body["param"] == "tool_choice" and "send_email" in info.value.body["message"]
 
 
 def test_chat_logprobs(client):

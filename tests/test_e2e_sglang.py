@@ -16,7 +16,14 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import TEST_API_KEY, assert_parse_and_forced_call, assert_stream_matches_full, chat
+from conftest import (
+    CLIENT_CASES,
+    TEST_API_KEY,
+    assert_parse_and_forced_call,
+    assert_stream_matches_full,
+    chat,
+    client_library_results,
+)
 from real_sglang import launch_command
 
 pytestmark = pytest.mark.slow
@@ -200,6 +207,21 @@ def test_real_server_streams_stops_and_gives_logprobs(real_client, client):
 
 
 @pytest.mark.real_sglang
+def test_real_server_parse_and_a_forced_tool_call_validate(real_client):
+    """`.parse()` and a forced call (lmserve's grammar as SGLang's `ebnf`) on the real SGLang."""
+    assert_parse_and_forced_call(real_client, "smollm2-real", "required")
+
+
+@pytest.mark.real_sglang
+def test_real_server_client_libraries_return_valid_objects(real_client, clients_python):
+    """instructor, pydantic-ai and langchain-openai (tests/clients/structured.py) on the real SGLang."""
+    results = client_library_results(clients_python, str(real_client.base_url).rstrip("/"), "smollm2-real")
+    failed = {case: r["error"] for case, r in results.items() if not r["ok"]}
+    assert set(results) == set(CLIENT_CASES) and not failed, failed
+
+
+
+@pytest.mark.real_sglang
 def test_deleting_the_app_leaves_no_server_process(real_client, real_sglang_python):
     from ray import serve
 
@@ -209,9 +231,3 @@ def test_deleting_the_app_leaves_no_server_process(real_client, real_sglang_pyth
     while left := server_processes(real_sglang_python):
         assert time.monotonic() < deadline, f"left after the replica's shutdown: {left}"
         time.sleep(0.5)
-
-
-@pytest.mark.real_sglang
-def test_real_server_parse_and_a_forced_tool_call_validate(real_client):
-    """`.parse()` and a forced call (lmserve's grammar as SGLang's `ebnf`) on the real SGLang."""
-    assert_parse_and_forced_call(real_client, "smollm2-real", "required")

@@ -6,7 +6,14 @@ import json
 import openai
 import pytest
 
-from conftest import TEST_API_KEY, assert_parse_and_forced_call, assert_stream_matches_full, chat
+from conftest import (
+    CLIENT_CASES,
+    TEST_API_KEY,
+    assert_parse_and_forced_call,
+    assert_stream_matches_full,
+    chat,
+    client_library_results,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -159,3 +166,10 @@ def test_vllm_parse_and_a_forced_tool_call_validate(backends_client):
     session's test adapter the model is a worse JSON writer."""
     assert_parse_and_forced_call(backends_client, "smollm2-vllm:base",
                                  {"type": "function", "function": {"name": "get_weather"}})
+
+
+def test_vllm_client_libraries_return_valid_objects(backends_client, clients_python):
+    """instructor, pydantic-ai and langchain-openai (tests/clients/structured.py) on the vllm backend."""
+    results = client_library_results(clients_python, str(backends_client.base_url).rstrip("/"), "smollm2-vllm:base")
+    failed = {case: r["error"] for case, r in results.items() if not r["ok"]}
+    assert set(results) == set(CLIENT_CASES) and not failed, failed

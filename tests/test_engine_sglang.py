@@ -223,6 +223,28 @@ def test_constrained_outputs_follow_their_constraint(sglang_engine, renderer):
         constrained(ids, StructuredOutput(json={"type": "town"}))
 
 
+def test_a_forced_tool_call_follows_its_format_and_schema(sglang_engine, renderer):
+    """A forced call's grammar (engines/prompt/tool_grammar.py: EBNF with xgrammar's lookaheads)
+    is taken by SGLang as `ebnf`, and the call comes out in the format with valid arguments."""
+    import jsonschema
+
+    from engines.prompt.tool_formats import get_tool_format
+    from engines.prompt.tool_grammar import forced_tool_call
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    ids = renderer.render_chat([{"role": "user", "content": "What's the weather in Paris?"}])
+    deltas = srun(collect(sglang_engine, GenerationRequest("forced", ids, SamplingParams(
+        max_tokens=60, temperature=0, structured_output=forced_tool_call("qwen", tools, "get_weather")))))
+    assert finish_of(deltas) == ["stop"]
+    [call] = get_tool_format("qwen").extract_tool_calls(text_of(deltas))
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), params)
+
+
+
 def test_lora_adapter_by_name_on_a_gpu_server(model_dir, lora_dir, gpu_standin_engine, renderer):
     """The stand-in only: SGLang serves LoRA on GPUs; on CPU it cannot (`test_lora_on_cpu_*`)."""
     from engines.huggingface.engine import HuggingFaceEngine
@@ -495,24 +517,3 @@ def test_a_killed_server_fails_the_health_check_and_leaves_no_process(sglang_eng
         srun(sglang_engine.check_health())
     srun(sglang_engine.shutdown())
     assert not group_exists(pgid)  # SGLang's scheduler and detokenizer went with the group
-
-
-def test_a_forced_tool_call_follows_its_format_and_schema(sglang_engine, renderer):
-    """A forced call's grammar (engines/prompt/tool_grammar.py: EBNF with xgrammar's lookaheads)
-    is taken by SGLang as `ebnf`, and the call comes out in the format with valid arguments."""
-    import jsonschema
-
-    from engines.prompt.tool_formats import get_tool_format
-    from engines.prompt.tool_grammar import forced_tool_call
-
-    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-              "required": ["city"], "additionalProperties": False}
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}},
-             {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-    ids = renderer.render_chat([{"role": "user", "content": "What's the weather in Paris?"}])
-    deltas = srun(collect(sglang_engine, GenerationRequest("forced", ids, SamplingParams(
-        max_tokens=60, temperature=0, structured_output=forced_tool_call("qwen", tools, "get_weather")))))
-    assert finish_of(deltas) == ["stop"]
-    [call] = get_tool_format("qwen").extract_tool_calls(text_of(deltas))
-    assert call.name == "get_weather"
-    jsonschema.validate(json.loads(call.arguments), params)
