@@ -47,6 +47,12 @@ class _Routes:
     async def score_evaluation(self):
         raise NotImplementedError
 
+    async def tokenize(self):
+        raise NotImplementedError
+
+    async def detokenize(self):
+        raise NotImplementedError
+
 
 def _client(api_keys=None, raises: Exception | None = None):
     if raises is None:

@@ -1,15 +1,16 @@
 """`OpenAIIngress`: the OpenAI-compatible HTTP front of lmserve (FastAPI through `serve.ingress`).
 
 Per request: parse and validate (deployments/openai/protocol.py) -> check the API key
-(deployments/openai/middleware.py) -> resolve the model ID (deployments/serve/router.py) -> render the prompt
-once and stream deltas from the model (deployments/openai/serving_chat.py, serving_completion.py;
-reward scores: serving_score.py) -> OpenAI JSON or SSE chunks (deployments/openai/sse.py); errors
-become OpenAI's error body in one place (deployments/openai/errors.py). The ingress sees each
-request's whole life, so it records lmserve's Prometheus metrics (deployments/metrics.py). The
-class is plain; `deployments.app.build_app` wraps it with `serve.ingress()` and
-`serve.deployment`. Its FastAPI app is built per replica by `create_app`, after the constructor
-(Ray Serve's `__serve_build_asgi_app__` hook), so HTTP settings (CORS, body size limit) come
-from the application's args.
+(deployments/openai/middleware.py) -> resolve the model ID (deployments/serve/router.py) -> render
+the prompt once and stream deltas from the model (deployments/openai/serving_chat.py,
+serving_completion.py; reward scores: serving_score.py; token ids alone: serving_tokenize.py) ->
+OpenAI JSON or SSE chunks (deployments/openai/sse.py); errors become OpenAI's error body in one
+place (deployments/openai/errors.py). The ingress sees each request's whole life, so it records
+lmserve's Prometheus metrics (deployments/metrics.py). The class is plain;
+`deployments.app.build_app` wraps it with `serve.ingress()` and `serve.deployment`. Its FastAPI
+app is built per replica by `create_app`, after the constructor (Ray Serve's
+`__serve_build_asgi_app__` hook), so HTTP settings (CORS, body size limit) come from the
+application's args.
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ from deployments.openai.protocol import (
     GenerationDefaults,
     ModelCard,
     ModelList,
+    DetokenizeRequest,
     ScoreEvaluationRequest,
+    TokenizeRequest,
 )
 from deployments.serve.router import ServedModel, ModelRouter
 from deployments.openai.serving_chat import ChatServing
 from deployments.openai.serving_completion import CompletionServing
 from deployments.openai.serving_score import ScoreServing
+from deployments.openai.serving_tokenize import TokenizeServing
 from deployments.settings import IngressSettings
 from deployments.openai.webchat_assets import PAGE_HEADERS, WebChatFiles
 from engines.base import SamplingParams, with_config_defaults
@@ -124,6 +128,9 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     app.post("/v1/chat/completions")(ingress.chat_completions)
     app.post("/v1/completions")(ingress.completions)
     app.post("/v1/score/evaluation")(ingress.score_evaluation)
+    # at the root, not under /v1: where vLLM serves them
+    app.post("/tokenize")(ingress.tokenize)
+    app.post("/detokenize")(ingress.detokenize)
     settings = ingress.settings
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     # outside the size limit and the routes: a request without a key gets 401 whatever its body
@@ -185,6 +192,7 @@ class OpenAIIngress:
         self.serving_chat = ChatServing(self.router, self.settings, ImageLoader(self.settings.media))
         self.serving_completion = CompletionServing(self.router, self.settings)
         self.serving_score = ScoreServing(self.router, self.settings)
+        self.serving_tokenize = TokenizeServing(self.router, self.settings, self.serving_chat)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self)
@@ -225,3 +233,11 @@ class OpenAIIngress:
     async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> Response:
         """Reward scores for `body.messages` (LLaMA-Factory's `/v1/score/evaluation`)."""
         return await self.serving_score.score_evaluation(body, request)
+
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
+        """The token ids of a prompt or a chat, as the engine would get them (vLLM's `/tokenize`)."""
+        return await self.serving_tokenize.tokenize(body, request)
+
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
+        """The text of token ids (vLLM's `/detokenize`)."""
+        return await self.serving_tokenize.detokenize(body, request)

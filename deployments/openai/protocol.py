@@ -626,6 +626,76 @@ class ScoreEvaluationRequest(OpenAIBaseModel):
     max_length: int | None = Field(None, ge=1)
 
 
+# vLLM's fields of `/tokenize` that lmserve does not implement: refused by name when set to
+# anything but their default. Field -> (default, what it is).
+TOKENIZE_UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "continue_final_message": UNSUPPORTED_FIELDS["continue_final_message"],
+    "chat_template": UNSUPPORTED_FIELDS["chat_template"],
+    "mm_processor_kwargs": (None, "vLLM's processor arguments"),
+    "media_io_kwargs": (None, "vLLM's media loading arguments"),
+}
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """`POST /tokenize`: vLLM's `TokenizeCompletionRequest` (`prompt`) and `TokenizeChatRequest`
+    (`messages`) in one model, exactly one of the two set. A prompt is tokenized as
+    `/v1/completions` tokenizes it (`add_special_tokens` defaults to true); messages are rendered
+    as `/v1/chat/completions` renders them (the model's template, its default system prompt,
+    `tools` in the template's format, `chat_template_kwargs`, `reasoning_effort`), so the ids are
+    the ones the engine would get. As in vLLM, `add_special_tokens` defaults to false for
+    messages; true is refused (the template's own special tokens are what the model sees)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (vLLM's defaults)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[ChatCompletionTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if self.prompt is not None and self.messages is not None:
+            raise field_error("prompt", "send `prompt` (a text) or `messages` (a chat), not both")
+        if self.prompt is None and self.messages is None:
+            raise field_error("prompt", "send `prompt` (a text to tokenize) or `messages` (a chat to render)")
+        if self.prompt == "":
+            raise field_error("prompt", "prompt must not be empty")
+        if self.prompt is not None:
+            chat_only = {"tools": bool(self.tools), "chat_template_kwargs": bool(self.chat_template_kwargs),
+                         "reasoning_effort": self.reasoning_effort is not None,
+                         "add_generation_prompt": not self.add_generation_prompt}
+            for name, used in chat_only.items():
+                if used:
+                    raise field_error(name, "only taken with `messages` (a chat), not with `prompt`")
+        elif self.add_special_tokens:
+            raise field_error("add_special_tokens", "with `messages` the chat template's own special tokens are the "
+                              "ones the model sees; add_special_tokens: true is not supported")
+        extra = self.model_extra or {}
+        for name, (default, what) in TOKENIZE_UNSUPPORTED_FIELDS.items():
+            if extra.get(name) not in (None, default):
+                raise field_error(name, f"{what} is not supported by lmserve")
+        return self
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """`tools` as the chat template takes them (`ChatCompletionRequest.tool_dicts`)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    @property
+    def tools_enabled(self) -> bool:
+        """Tools are rendered into the prompt (as a chat request's are unless `tool_choice: "none"`)."""
+        return bool(self.tools)
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """`POST /detokenize` (vLLM's): token ids -> text; every id must be in the model's vocabulary."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 # ---- responses -----------------------------------------------------------------------------
 # Built on the `openai` package's types, widened where lmserve answers as vLLM does: a finish
 # reason is one of OpenAI's (`FinishReason`; an engine that drops a request raises an error
@@ -729,3 +799,19 @@ class ScoreEvaluationResponse(BaseModel):
     object: Literal["score.evaluation"] = "score.evaluation"
     model: str
     scores: list[float]
+
+
+class TokenizeResponse(BaseModel):
+    """vLLM's `TokenizeResponse`: the prompt's token ids, their number, the model's context length
+    (tokens) and, with `return_token_strs`, each id's token string (`null` otherwise, as vLLM)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    """vLLM's `DetokenizeResponse`: the text of the ids, special tokens kept."""
+
+    prompt: str

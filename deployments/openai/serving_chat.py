@@ -29,6 +29,7 @@ from deployments.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceDelta,
+    TokenizeRequest,
     clamp_logprob,
 )
 from deployments.serve.router import ServedModel, ModelRouter, check_capabilities, label_request
@@ -119,10 +120,13 @@ class ChatServing(OpenAIServing):
             usage=usage_info(full.usage, reasoning_tokens if words is not None else None), choices=choices),
             entry.capabilities.backend)
 
-    async def render_prompt(self, entry: ServedModel, body: ChatCompletionRequest,
-                            messages: list[dict]) -> tuple[list[int], MediaInput | None]:
+    async def render_prompt(self, entry: ServedModel, body: ChatCompletionRequest | TokenizeRequest,
+                            messages: list[dict], add_generation_prompt: bool = True,
+                            check_context: bool = True) -> tuple[list[int], MediaInput | None]:
         """Prompt token ids of a chat request and, when it has `image_url` parts, its loaded
-        images (engines/prompt/media.py: sources and limits from `settings.media`).
+        images (engines/prompt/media.py: sources and limits from `settings.media`). `/tokenize`
+        renders its messages here too (`check_context` false: a prompt past the context is
+        counted, not refused, as vLLM's `/tokenize` counts it).
 
         A short text-only prompt is rendered in the event loop: a thread hand-off costs more
         than the template; a long one, tools or images go to a thread, so that other streams go
@@ -132,18 +136,27 @@ class ChatServing(OpenAIServing):
         Raises:
             ServingError: NOT_SUPPORTED for images on a text-only model (naming it) or on a
                 backend without image support (naming the backend); INVALID_REQUEST for an
-                image that is not allowed, too large, or unreadable; CONTEXT_LENGTH_EXCEEDED.
+                image that is not allowed, too large, or unreadable, or `chat_template_kwargs`
+                that set the renderer's own arguments; CONTEXT_LENGTH_EXCEEDED.
         """
         tools = body.tool_dicts() if body.tools_enabled else None
-        kwargs = template_kwargs_for_effort(body.reasoning_effort, body.chat_template_kwargs or {},
-                                            words=entry.renderer.thought_words,
-                                            can_switch=entry.renderer.can_switch_thinking)
+        kwargs = dict(template_kwargs_for_effort(body.reasoning_effort, body.chat_template_kwargs or {},
+                                                 words=entry.renderer.thought_words,
+                                                 can_switch=entry.renderer.can_switch_thinking))
+        taken = sorted(set(kwargs) & _RENDER_ARGUMENTS)
+        if taken:
+            raise ServingError.invalid_request(f"chat_template_kwargs may not set {', '.join(taken)}: lmserve sets "
+                                               "them from the request", param="chat_template_kwargs")
+        # a Jinja template's switch, which a chat request can set only here: it wins over the argument
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
         parts = image_parts(messages)
         if not parts:
             if not tools and _text_chars(messages) <= constants.INLINE_RENDER_MAX_CHARS:
-                return entry.renderer.render_chat(messages, tools=tools, **kwargs), None
-            context_length = await self.context_length(entry)
+                return entry.renderer.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                  **kwargs), None
+            context_length = await self.context_length(entry) if check_context else None
             ids = await asyncio.to_thread(entry.renderer.render_chat, messages, tools=tools,
+                                          add_generation_prompt=add_generation_prompt,
                                           context_length=context_length, **kwargs)
             return ids, None
         if not entry.renderer.accepts_images:
@@ -153,8 +166,9 @@ class ChatServing(OpenAIServing):
             raise ServingError.not_supported(f"images are not supported by the {entry.capabilities.backend} backend",
                                              param="messages")
         images = await self.image_loader.load(parts)
-        context_length = await self.context_length(entry)
+        context_length = await self.context_length(entry) if check_context else None
         return await asyncio.to_thread(entry.renderer.render_chat_with_images, messages, images, tools=tools,
+                                       add_generation_prompt=add_generation_prompt,
                                        context_length=context_length, **kwargs)
 
 
@@ -258,6 +272,12 @@ def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
 
     return {"content": [{**item(t.token, t.logprob),
                          "top_logprobs": [item(a.token, a.logprob) for a in t.top_logprobs]} for t in tokens]}
+
+
+# arguments of the renderer and of transformers' `apply_chat_template` that lmserve sets itself:
+# a `chat_template_kwargs` key among them would be passed twice
+_RENDER_ARGUMENTS = frozenset({"messages", "tools", "context_length", "images", "conversation", "chat_template",
+                               "tokenize"})
 
 
 def _text_chars(messages: list[dict]) -> int:

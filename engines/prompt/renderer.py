@@ -336,10 +336,12 @@ class PromptRenderer:
             raise ServingError.invalid_request(f"chat template could not render the messages: {exc}",
                                                param="messages") from exc
 
-    def render_completion(self, prompt: str | list[int], context_length: int | None = None) -> list[int]:
+    def render_completion(self, prompt: str | list[int], context_length: int | None = None,
+                          add_special_tokens: bool = True) -> list[int]:
         """Tokenize a completion prompt (special tokens added as the tokenizer does by default,
-        like vLLM's /v1/completions); a list of ints is taken as token ids. A text that cannot
-        fit `context_length` (tokens) is refused before it is tokenized (`check_prompt_chars`).
+        like vLLM's /v1/completions; none with `add_special_tokens` false); a list of ints is
+        taken as token ids. A text that cannot fit `context_length` (tokens) is refused before
+        it is tokenized (`check_prompt_chars`).
 
         Raises:
             ServingError: INVALID_REQUEST for token ids outside the vocabulary or untrained
@@ -353,9 +355,22 @@ class PromptRenderer:
                                                    param="prompt")
             return list(prompt)
         self.check_prompt_chars(len(prompt), context_length, param="prompt")
-        ids = self.tokenizer.encode(prompt)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         self._refuse_untrained(ids, "prompt")
         return ids
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, special tokens kept (vLLM's `/detokenize`).
+
+        Raises:
+            ServingError(INVALID_REQUEST): an id outside the vocabulary (param `tokens`).
+        """
+        vocab = len(self.tokenizer)
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            shown = ", ".join(str(t) if abs(t) < 2**64 else "(an integer past 2^64)" for t in bad[:5])
+            raise ServingError.invalid_request(f"token ids out of range [0, {vocab}): {shown}", param="tokens")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     @staticmethod
     def _normalise(index: int, message: dict[str, Any], as_parts: bool = False) -> dict[str, Any]:
