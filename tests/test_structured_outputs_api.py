@@ -142,3 +142,31 @@ def test_a_forced_call_that_cannot_be_made_is_a_400(tiny_model_dir, body, param)
     status, answer, engine = post(tiny_model_dir, body)
     assert status == 400 and answer["error"]["param"] == param, answer
     assert engine.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_one_call_under_auto(tiny_model_dir, stream):
+    """OpenAI's `parallel_tool_calls: false` with `tool_choice: "auto"`: a model that writes two
+    calls answers with the first only, not with both."""
+    from engines.prompt.renderer import PromptRenderer
+    from engines.prompt.tool_formats import FunctionCall, get_tool_format
+    from fake_engine import FakeEngine, Reply, sse_events
+
+    renderer = PromptRenderer.from_pretrained(tiny_model_dir)
+    two = get_tool_format(renderer.template.tool_format or "default").format_function_calls(
+        [FunctionCall("get_weather", '{"city": "Paris"}'), FunctionCall("get_weather", '{"city": "Rome"}')])
+    engine = FakeEngine(Reply([[two]]), backend="vllm")
+
+    async def main(parallel):
+        async with serve_fake(engine, tiny_model_dir) as http:
+            r = await http.post("/v1/chat/completions", json={
+                "model": "fake", "messages": QUESTION, "tools": [WEATHER_TOOL], "parallel_tool_calls": parallel,
+                "stream": stream})
+            assert r.status_code == 200, r.text
+            if not stream:
+                return r.json()["choices"][0]["message"]["tool_calls"]
+            return [c for e in sse_events(r.text)[:-1] for ch in e["choices"]
+                    for c in ch["delta"].get("tool_calls") or []]
+
+    assert [c["function"]["arguments"] for c in asyncio.run(main(False))] == ['{"city": "Paris"}']
+    assert len(asyncio.run(main(True))) == 2

@@ -87,6 +87,8 @@ class ChatServing(OpenAIServing):
         params = dataclasses.replace(entry.renderer.with_stop_token_ids(body.to_sampling_params()),
                                      structured_output=constraint)
         words = entry.renderer.thought_words if entry.config.reasoning_split else None
+        # OpenAI's `parallel_tool_calls: false`: one call at most (a forced call's grammar allows one)
+        max_tool_calls = 1 if body.parallel_tool_calls is False else None
         in_thought = words is not None and entry.renderer.prompt_opens_thought(prompt_ids)
         gen_request = GenerationRequest(request_id, prompt_ids, params, lora_name=entry.lora_name, media=media)
         created = int(time.time())
@@ -95,7 +97,7 @@ class ChatServing(OpenAIServing):
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
                                  parse_tools=body.tools_enabled, tool_parser=parser_for(entry.renderer.template),
-                                 thought_words=words, in_thought=in_thought)
+                                 thought_words=words, in_thought=in_thought, max_tool_calls=max_tool_calls)
             return self.sse_response(entry, chunks, stream)
         full = await self.router.generate_full(entry, gen_request, body.n, arrival)
         if self.settings.log_prompts:
@@ -110,6 +112,7 @@ class ChatServing(OpenAIServing):
                 reasoning_tokens += split.reasoning_tokens(full.token_marks[i])
             if body.tools_enabled and content is not None:
                 content, calls = parse(content)
+                calls = calls[:max_tool_calls]
             tool_calls = {"tool_calls": [tool_call_json(c) for c in calls]} if calls else {}  # no `"tool_calls": null`
             message = ChatCompletionMessage(role="assistant", content=content, **thought, **tool_calls)
             choices.append(ChatCompletionChoice(
@@ -175,7 +178,8 @@ class ChatServing(OpenAIServing):
 async def chat_chunks(request_id: str, created: int, model: str, n: int, first: list[GenerationDelta],
                       stream: AsyncIterator[GenerationDelta], include_usage: bool,
                       parse_tools: bool = False, tool_parser: ToolCallParser | None = None,
-                      thought_words: ThoughtWords | None = None, in_thought: bool = False) -> AsyncIterator[str]:
+                      thought_words: ThoughtWords | None = None, in_thought: bool = False,
+                      max_tool_calls: int | None = None) -> AsyncIterator[str]:
     """The SSE events of a streamed chat completion: a role chunk per choice, a chunk per delta
     with text, logprobs or a finish reason (a tool call, once complete, as one chunk with
     `finish_reason: "tool_calls"`), and the usage chunk last when `include_usage`. With
@@ -219,6 +223,7 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
             text = streamers[delta.index].feed(text)
             if finish:
                 rest, calls = streamers[delta.index].finish()
+                calls = calls[:max_tool_calls]
                 text += rest
         out = []
         if thought:
