@@ -402,6 +402,8 @@ class SamplingFields(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # OpenAI's on chat; vLLM takes it on completions too
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -511,8 +513,16 @@ class SamplingFields(OpenAIBaseModel):
         return None
 
     def structured_output(self) -> StructuredOutput | None:
-        """The constraint asked for by `structured_outputs` (or a `guided_*` field), if any."""
+        """The constraint of `response_format` (OpenAI's), or else of `structured_outputs` (vLLM's,
+        or a `guided_*` field), if any."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return self.response_format.structured_output()
         return self.structured_outputs.constraint() if self.structured_outputs is not None else None
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _one_response_format_error(cls, value: Any) -> Any:
+        return _one_error(ResponseFormat, value)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -525,7 +535,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's; "none" turns thinking off, the others change no prompt (engines/prompt/reasoning.py)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
@@ -535,17 +544,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def structured_output(self) -> StructuredOutput | None:
-        """The constraint of `response_format` (OpenAI's), or else of `structured_outputs` (vLLM's)."""
-        if self.response_format is not None and self.response_format.type != "text":
-            return self.response_format.structured_output()
-        return super().structured_output()
-
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _one_response_format_error(cls, value: Any) -> Any:
-        return _one_error(ResponseFormat, value)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
