@@ -136,6 +136,9 @@ def parse_args(args: dict[str, Any]) -> tuple[AppArgs, dict[str, EngineConfig]]:
         if config.is_reward_model and not engine.capabilities.scoring:
             raise ConfigError(f"models[{i}]: stage {config.stage!r} makes a reward model, which the "
                               f"{config.infer_backend} backend cannot serve (use infer_backend: huggingface)")
+        if config.serves_embeddings and not engine.capabilities.embedding:
+            raise ConfigError(f"models[{i}]: an embedding model (task: embed), which the {config.infer_backend} "
+                              "backend cannot serve (use infer_backend: huggingface or vllm)")
         configs[model_id] = config
     return app_args, configs
 

@@ -36,6 +36,7 @@ FEATURE_LABELS: dict[str, str] = {
     "forced_tool_choice": "`tool_choice`: `required` or a named function",
     "images": "`image_url` content parts (vision-language models)",
     "scoring": "reward models (`stage: rm`), `POST /v1/score/evaluation`",
+    "embedding": "embedding models (`task: embed`), `POST /v1/embeddings`",
     "tools_in_template": "`tools` rendered by the chat template",
 }
 

@@ -326,6 +326,7 @@ class Capabilities:
     response_format: bool = False  # constrained decoding: every kind of `StructuredOutput`
     forced_tool_choice: bool = False  # tool_choice "required" or a named function (as constrained decoding)
     scoring: bool = False  # reward models (`stage` other than "sft"): /v1/score/evaluation
+    embedding: bool = False  # embedding models (`task: embed`): /v1/embeddings
     tools_in_template: bool = True
     images: bool = False  # image content parts (`GenerationRequest.media`) reach the model
 
@@ -399,6 +400,21 @@ class Engine(abc.ABC):
             ServingError(INVALID_REQUEST): a text the model cannot score (no tokens, `max_length` too long).
         """
         raise ServingError.not_supported(f"scoring is not supported by the {self.capabilities.backend} backend",
+                                         param="model")
+
+    async def embed(self, inputs: list[list[int]], dimensions: int | None = None) -> list[list[float]]:
+        """One embedding per input (embedding models only: `EngineConfig.serves_embeddings`), in
+        order. Each input is prompt token ids (tokenized in the ingress, special tokens added);
+        each vector is the model's pooled output (engines/embedding.py), cut to its first
+        `dimensions` values where given, then normalized where the model normalizes.
+
+        Raises:
+            ServingError(NOT_SUPPORTED): the backend cannot embed, or this model does not.
+            ServingError(INVALID_REQUEST): an input with no tokens, ids outside the vocabulary
+                (param `input`); a `dimensions` the model cannot give (param `dimensions`).
+            ServingError(CONTEXT_LENGTH_EXCEEDED): an input over the model's context (param `input`).
+        """
+        raise ServingError.not_supported(f"embeddings are not supported by the {self.capabilities.backend} backend",
                                          param="model")
 
     @property

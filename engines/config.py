@@ -324,6 +324,12 @@ class EngineConfig(BaseModel):
         "sft", description="`sft`: a generating model. Anything else (e.g. `rm`): a reward model, loaded with its "
         "value head and served on /v1/score/evaluation only (LLaMA-Factory: can_generate = stage == 'sft').")
 
+    # --- what the model serves (lmserve) ---
+    task: Literal["generate", "embed"] | None = Field(
+        None, description="lmserve: `generate` (chat, completions) or `embed` (/v1/embeddings only). Unset: "
+        "`embed` where the model directory is a sentence-transformers model (it has a `modules.json`), else "
+        "`generate`; a hub ID that is not a local directory needs `task: embed` to embed.")
+
     # --- generation defaults (LLaMA-Factory GeneratingArguments) ---
     # Defaults for requests that leave a sampling parameter unset.
     do_sample: bool = Field(True, description="`false` = greedy decoding for requests that set no temperature.")
@@ -367,6 +373,12 @@ class EngineConfig(BaseModel):
         for name, value in self.extra_inert.items():
             if value != _INERT_FIELDS[name]:
                 logger.warning("config field %r=%r has no effect in lmserve", name, value)
+        return self
+
+    @model_validator(mode="after")
+    def _check_task(self) -> "EngineConfig":
+        if self.task == "embed" and self.is_reward_model:
+            raise ValueError(f"task: embed cannot be a reward model (stage {self.stage!r}); use stage: sft")
         return self
 
     @model_validator(mode="after")
@@ -417,6 +429,16 @@ class EngineConfig(BaseModel):
     def is_reward_model(self) -> bool:
         """True when the model scores texts instead of generating (`stage` other than `sft`)."""
         return self.stage != "sft"
+
+    @property
+    def serves_embeddings(self) -> bool:
+        """True when the model makes embeddings instead of generating: `task: embed`, or `task`
+        unset and `model_name_or_path` a sentence-transformers directory (engines/embedding.py)."""
+        if self.task is not None:
+            return self.task == "embed"
+        from engines.embedding import is_sentence_transformers_dir
+
+        return not self.is_reward_model and is_sentence_transformers_dir(self.model_name_or_path)
 
     @property
     def adapters(self) -> list[str]:

@@ -128,6 +128,21 @@ class _Choice:
     stop_reason: str | None = None
 
 
+EMBED_DIM = 8  # values of a `FakeEngine` embedding
+
+
+def fake_embedding(token_ids: list[int], dimensions: int | None = None) -> list[float]:
+    """`FakeEngine.embed`'s vector of `token_ids`: `EMBED_DIM` values that depend on every id and
+    its position, cut to `dimensions`, L2-normalized (float32 values, as a real engine returns)."""
+    import math
+    import struct
+
+    values = [sum(math.sin((k + 1) * (t + 1) + pos) for pos, t in enumerate(token_ids)) for k in range(EMBED_DIM)]
+    values = values[:dimensions] if dimensions else values
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return list(struct.unpack(f"{len(values)}f", struct.pack(f"{len(values)}f", *(v / norm for v in values))))
+
+
 class FakeEngine(Engine):
     """An engine without a model, answering each request with a scripted `Reply`.
 
@@ -138,6 +153,7 @@ class FakeEngine(Engine):
         config: the model's `EngineConfig` (generating defaults such as `max_new_tokens`).
         max_model_len: context length (tokens) checked by `prepare_generation`.
         vocab_size: token ids (stop token ids, `logit_bias`) must be below it.
+        matryoshka: `embed` takes `dimensions` (a Matryoshka embedding model).
 
     Attributes:
         requests: every `GenerationRequest` received, in order.
@@ -147,7 +163,7 @@ class FakeEngine(Engine):
 
     def __init__(self, reply: Reply | Callable[[GenerationRequest], Reply] | None = None, *,
                  backend: str = "huggingface", config: EngineConfig | None = None,
-                 max_model_len: int = MAX_MODEL_LEN, vocab_size: int = 259):
+                 max_model_len: int = MAX_MODEL_LEN, vocab_size: int = 259, matryoshka: bool = False):
         self.reply = reply or Reply()
         self.capabilities = engine_capabilities(backend)
         self.config = config or EngineConfig(model_name_or_path="fake", infer_backend=backend)
@@ -155,6 +171,8 @@ class FakeEngine(Engine):
         self.vocab_size = vocab_size
         self.requests: list[GenerationRequest] = []
         self.cancelled: list[str] = []
+        self.matryoshka = matryoshka
+        self.embed_requests: list[tuple[list[list[int]], int | None]] = []
         self.started = False
 
     async def start(self) -> None:
@@ -208,6 +226,24 @@ class FakeEngine(Engine):
             if not done:
                 self.cancelled.append(request.request_id)
             raise
+
+    async def embed(self, inputs: list[list[int]], dimensions: int | None = None) -> list[list[float]]:
+        """A deterministic vector of `EMBED_DIM` values per input (`fake_embedding`), cut to
+        `dimensions` and renormalized, as a Matryoshka model does; without `matryoshka`,
+        `dimensions` is refused as a real engine refuses it (`engines.embedding.check_dimensions`).
+        Records the inputs in `embed_requests`; raises the reply's `error` when it has one."""
+        from types import SimpleNamespace
+
+        from engines.embedding import check_dimensions
+
+        self.embed_requests.append((inputs, dimensions))
+        reply = self.reply(None) if callable(self.reply) else self.reply
+        if reply.error is not None:
+            raise reply.error
+        if reply.delay_s:
+            await asyncio.sleep(reply.delay_s)
+        check_dimensions(dimensions, EMBED_DIM, SimpleNamespace(is_matryoshka=self.matryoshka))
+        return [fake_embedding(ids, dimensions) for ids in inputs]
 
     def _advance(self, choice: _Choice, stop: list[str], max_tokens: int, logprobs: int | None
                  ) -> GenerationDelta | None:

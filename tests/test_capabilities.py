@@ -53,9 +53,10 @@ NEEDS = {
 
 
 def test_every_request_capability_has_a_request_that_needs_it():
-    # `scoring` is a route, not a request field: refused at config time (tests/test_config.py);
-    # `images` is checked where images are loaded, after the model's own check (tests/test_multimodal.py)
-    assert set(NEEDS) == set(FIELDS) - {"scoring", "images"}
+    # `scoring` and `embedding` are routes, not request fields: refused at config time
+    # (tests/test_config.py); `images` is checked where images are loaded, after the model's own
+    # check (tests/test_multimodal.py)
+    assert set(NEEDS) == set(FIELDS) - {"scoring", "embedding", "images"}
 
 
 @pytest.mark.parametrize("feature", sorted(NEEDS))

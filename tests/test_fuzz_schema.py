@@ -28,6 +28,7 @@ BASES = {
     "/v1/chat/completions": {"model": "fake", "messages": QUESTION, "max_tokens": 3},
     "/v1/completions": {"model": "fake", "prompt": "The capital of France is", "max_tokens": 3},
     "/v1/score/evaluation": {"model": "fake", "messages": ["a text"]},
+    "/v1/embeddings": {"model": "fake", "input": ["a text", "another"], "encoding_format": "float"},
     # a chat: most of its fields are the chat's (a `prompt` fuzzed in beside it is refused, as it should be)
     "/tokenize": {"model": "fake", "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]},
     "/detokenize": {"model": "fake", "tokens": [72, 105]},

@@ -47,6 +47,9 @@ class _Routes:
     async def score_evaluation(self):
         raise NotImplementedError
 
+    async def embeddings(self):
+        raise NotImplementedError
+
     async def tokenize(self):
         raise NotImplementedError
 

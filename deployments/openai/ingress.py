@@ -3,7 +3,8 @@
 Per request: parse and validate (deployments/openai/protocol.py) -> check the API key
 (deployments/openai/middleware.py) -> resolve the model ID (deployments/serve/router.py) -> render
 the prompt once and stream deltas from the model (deployments/openai/serving_chat.py,
-serving_completion.py; reward scores: serving_score.py; token ids alone: serving_tokenize.py) ->
+serving_completion.py; reward scores: serving_score.py; embeddings: serving_embedding.py; token
+ids alone: serving_tokenize.py) ->
 OpenAI JSON or SSE chunks (deployments/openai/sse.py); errors become OpenAI's error body in one
 place (deployments/openai/errors.py). The ingress sees each request's whole life, so it records
 lmserve's Prometheus metrics (deployments/metrics.py). The class is plain;
@@ -40,12 +41,14 @@ from deployments.openai.protocol import (
     ModelCard,
     ModelList,
     DetokenizeRequest,
+    EmbeddingRequest,
     ScoreEvaluationRequest,
     TokenizeRequest,
 )
 from deployments.serve.router import ServedModel, ModelRouter
 from deployments.openai.serving_chat import ChatServing
 from deployments.openai.serving_completion import CompletionServing
+from deployments.openai.serving_embedding import EmbeddingServing
 from deployments.openai.serving_score import ScoreServing
 from deployments.openai.serving_tokenize import TokenizeServing
 from deployments.settings import IngressSettings
@@ -98,7 +101,7 @@ def model_card(entry: ServedModel) -> ModelCard:
     cfg = entry.config
     takes_images = entry.renderer is not None and entry.renderer.accepts_images and entry.capabilities.images
     defaults = None
-    if not cfg.is_reward_model:
+    if not cfg.is_reward_model and not cfg.serves_embeddings:
         params = with_config_defaults(SamplingParams(), cfg)
         defaults = GenerationDefaults(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                       max_tokens=cfg.max_new_tokens, repetition_penalty=params.repetition_penalty)
@@ -128,6 +131,7 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     app.post("/v1/chat/completions")(ingress.chat_completions)
     app.post("/v1/completions")(ingress.completions)
     app.post("/v1/score/evaluation")(ingress.score_evaluation)
+    app.post("/v1/embeddings")(ingress.embeddings)
     # at the root, not under /v1: where vLLM serves them
     app.post("/tokenize")(ingress.tokenize)
     app.post("/detokenize")(ingress.detokenize)
@@ -192,6 +196,7 @@ class OpenAIIngress:
         self.serving_chat = ChatServing(self.router, self.settings, ImageLoader(self.settings.media))
         self.serving_completion = CompletionServing(self.router, self.settings)
         self.serving_score = ScoreServing(self.router, self.settings)
+        self.serving_embedding = EmbeddingServing(self.router, self.settings)
         self.serving_tokenize = TokenizeServing(self.router, self.settings, self.serving_chat)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -233,6 +238,10 @@ class OpenAIIngress:
     async def score_evaluation(self, body: ScoreEvaluationRequest, request: Request) -> Response:
         """Reward scores for `body.messages` (LLaMA-Factory's `/v1/score/evaluation`)."""
         return await self.serving_score.score_evaluation(body, request)
+
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        """Embeddings of `body.input` from an embedding model (OpenAI's `/v1/embeddings`)."""
+        return await self.serving_embedding.create_embedding(body, request)
 
     async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
         """The token ids of a prompt or a chat, as the engine would get them (vLLM's `/tokenize`)."""

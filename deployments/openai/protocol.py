@@ -14,7 +14,7 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
-from openai.types import Completion, Model
+from openai.types import Completion, CreateEmbeddingResponse, Embedding, Model
 from openai.types import CompletionChoice as OpenAICompletionChoice
 from openai.types.chat import ChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
@@ -694,6 +694,66 @@ class DetokenizeRequest(OpenAIBaseModel):
     tokens: list[StrictInt]
 
 
+# OpenAI's bound on the inputs of one `/v1/embeddings` request ("must not exceed ... 2048" items);
+# each input is also bounded by the model's context, the body by `max_request_body_bytes`.
+MAX_EMBEDDING_INPUTS = 2048
+# vLLM's fields of `/v1/embeddings` that lmserve does not implement: refused by name when set to
+# anything but their default. Field -> (default, what it is).
+EMBEDDING_UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "truncate_prompt_tokens": (None, "vLLM's truncate_prompt_tokens (inputs over the context are refused)"),
+    "normalize": (None, "vLLM's normalize (the model's own pooling config decides)"),
+    "use_activation": (None, "vLLM's use_activation (the model's own pooling config decides)"),
+    "embed_dtype": ("float32", "vLLM's embed_dtype"),
+    "endianness": ("native", "vLLM's endianness"),
+    "mm_processor_kwargs": (None, "vLLM's processor arguments"),
+    "chat_template": (None, "a chat template"),
+    "messages": (None, "vLLM's chat embeddings (messages)"),
+}
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    """`POST /v1/embeddings` (OpenAI's `EmbeddingCreateParams`): `input` is a string, a list of
+    strings, token ids or a list of token-id lists (at most `MAX_EMBEDDING_INPUTS` items, none
+    empty); `encoding_format` `float` or `base64` (little-endian float32 bytes, as OpenAI sends
+    them); `dimensions` truncates where the model is Matryoshka-trained (the engine checks).
+    vLLM's `add_special_tokens` (default true) is taken; its other extras are refused by name
+    (`EMBEDDING_UNSUPPORTED_FIELDS`)."""
+
+    model: str | None = None
+    input: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if value == "" or value == []:
+            raise ValueError("input must not be empty")
+        if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS and not isinstance(value[0], int):
+            raise ValueError(f"input has {len(value)} items; at most {MAX_EMBEDDING_INPUTS} per request")
+        if isinstance(value, list) and not isinstance(value[0], int):
+            for i, item in enumerate(value):
+                if item == "" or item == []:
+                    raise ValueError(f"input[{i}] must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> "EmbeddingRequest":
+        extra = self.model_extra or {}
+        for name, (default, what) in EMBEDDING_UNSUPPORTED_FIELDS.items():
+            if extra.get(name) not in (None, default):
+                raise field_error(name, f"{what} is not supported by lmserve")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        """`input` as a list of items, each a text or token ids."""
+        value = self.input
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]
+
+
 # ---- responses -----------------------------------------------------------------------------
 # Built on the `openai` package's types, widened where lmserve answers as vLLM does: a finish
 # reason is one of OpenAI's (`FinishReason`; an engine that drops a request raises an error
@@ -813,3 +873,17 @@ class DetokenizeResponse(BaseModel):
     """vLLM's `DetokenizeResponse`: the text of the ids, special tokens kept."""
 
     prompt: str
+
+
+class EmbeddingData(Embedding):
+    """One vector of `CreateEmbeddingResponse`: a list of floats, or with `encoding_format:
+    base64` a string (the float32 values' little-endian bytes, base64), as OpenAI sends it."""
+
+    embedding: list[float] | str  # type: ignore[assignment]
+
+
+class EmbeddingResponse(CreateEmbeddingResponse):
+    """OpenAI's `CreateEmbeddingResponse`, with vLLM's `id` beside it."""
+
+    id: str | None = None
+    data: list[EmbeddingData]  # type: ignore[assignment]

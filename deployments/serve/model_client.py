@@ -57,6 +57,15 @@ class ReplicaClient:
             response.cancel()
             raise
 
+    async def embed(self, inputs: list[list[int]], dimensions: int | None) -> list[list[float]] | ServingError:
+        """Embeddings from a replica (`Engine.embed`); cancelling the caller cancels the call."""
+        response = self._handle.embed.remote(inputs, dimensions)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+
 
 class InProcessClient:
     """A model whose engine runs in this replica: the deployment that takes the HTTP request
@@ -91,5 +100,11 @@ class InProcessClient:
     async def score(self, texts: list[str], max_length: int | None) -> list[float] | ServingError:
         try:
             return await self.engine.score(texts, max_length)
+        except Exception as exc:  # noqa: BLE001 - errors travel as values, as from a replica
+            return ServingError.from_exception(exc)
+
+    async def embed(self, inputs: list[list[int]], dimensions: int | None) -> list[list[float]] | ServingError:
+        try:
+            return await self.engine.embed(inputs, dimensions)
         except Exception as exc:  # noqa: BLE001 - errors travel as values, as from a replica
             return ServingError.from_exception(exc)

@@ -96,6 +96,13 @@ class ModelServer:
         except Exception as exc:  # noqa: BLE001 - errors travel to the ingress as values
             return ServingError.from_exception(exc)
 
+    async def embed(self, inputs: list[list[int]], dimensions: int | None = None) -> list[list[float]] | ServingError:
+        """Embeddings, one per input (token ids); an engine error is returned as a `ServingError` value."""
+        try:
+            return await self.engine.embed(inputs, dimensions)
+        except Exception as exc:  # noqa: BLE001 - errors travel to the ingress as values
+            return ServingError.from_exception(exc)
+
     async def engine_stats(self) -> dict[str, int]:
         """`{"running": requests generating, "waiting": requests queued in the engine}`."""
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting}

@@ -98,9 +98,11 @@ def label_request(request: Request, entry: ServedModel) -> None:
     request.state.metric_labels = (entry.model_id, entry.config.infer_backend)
 
 
-def check_route(entry: ServedModel, scoring: bool) -> None:
+def check_route(entry: ServedModel, scoring: bool, embedding: bool = False) -> None:
     """Refuse (METHOD_NOT_ALLOWED, 405) a model that does not serve this kind of route
-    (LLaMA-Factory's `can_generate`): generation on a reward model, scoring on a generating one."""
+    (LLaMA-Factory's `can_generate`): generation on a reward model or an embedding model,
+    scoring or embeddings on a model that does something else. `scoring` and `embedding` both
+    false: a generation route (chat, completions, tokenize)."""
     if entry.config.is_reward_model and not scoring:
         raise ServingError(ErrorKind.METHOD_NOT_ALLOWED,
                            f"{entry.model_id!r} is a reward model (stage {entry.config.stage!r}): it does not "
@@ -108,6 +110,13 @@ def check_route(entry: ServedModel, scoring: bool) -> None:
     if scoring and not entry.config.is_reward_model:
         raise ServingError(ErrorKind.METHOD_NOT_ALLOWED, f"{entry.model_id!r} generates text; /v1/score/evaluation "
                            "needs a reward model (stage: rm)", param="model")
+    serves_embeddings = entry.config.serves_embeddings
+    if serves_embeddings and not embedding:
+        raise ServingError(ErrorKind.METHOD_NOT_ALLOWED, f"{entry.model_id!r} is an embedding model (task: embed): "
+                           "it does not generate; embed texts with POST /v1/embeddings", param="model")
+    if embedding and not serves_embeddings:
+        raise ServingError(ErrorKind.METHOD_NOT_ALLOWED, f"{entry.model_id!r} generates text; /v1/embeddings needs an "
+                           "embedding model (task: embed, or a sentence-transformers model directory)", param="model")
 
 
 def check_capabilities(entry: ServedModel, req: SamplingFields) -> None:
@@ -338,6 +347,22 @@ class ModelRouter:
         except asyncio.TimeoutError:
             raise ServingError(ErrorKind.TIMEOUT,
                                f"scoring did not finish within {self.request_timeout_s:g} s") from None
+        if isinstance(result, ServingError):
+            raise result
+        return result
+
+    async def embed(self, entry: ServedModel, inputs: list[list[int]], dimensions: int | None) -> list[list[float]]:
+        """Embeddings of `inputs` (token ids) from an embedding model, within the request deadline.
+
+        Raises:
+            ServingError: from the engine; OVERLOADED, UNAVAILABLE (Ray Serve), TIMEOUT.
+        """
+        try:
+            with _ray_serve_errors():
+                result = await asyncio.wait_for(entry.client.embed(inputs, dimensions), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise ServingError(ErrorKind.TIMEOUT,
+                               f"embedding did not finish within {self.request_timeout_s:g} s") from None
         if isinstance(result, ServingError):
             raise result
         return result

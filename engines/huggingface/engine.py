@@ -73,7 +73,8 @@ class HuggingFaceEngine(Engine):
     """
 
     capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=True,
-                                forced_tool_choice=True, images=True, scoring=True)
+                                forced_tool_choice=True, images=True, scoring=True,
+                                embedding=True)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -86,6 +87,7 @@ class HuggingFaceEngine(Engine):
         self._mrope = False
         self.model_path: Path | None = None
         self._reward: Any = None  # engines.huggingface.reward.RewardModel when config.is_reward_model
+        self._embedder: Any = None  # engines.huggingface.embedding.EmbeddingModel when config.serves_embeddings
         # GenerationRequest.lora_name -> peft adapter name of the batch row (None: no peft model)
         self._peft_names: dict[str | None, str] = {}
         self._score_lock = asyncio.Lock()
@@ -103,6 +105,12 @@ class HuggingFaceEngine(Engine):
 
             self._reward = await asyncio.to_thread(RewardModel.load, self.model_path, self.config)
             self._info = self._reward.info
+            return
+        if self.config.serves_embeddings:  # embeddings only: no batcher (engines/huggingface/embedding.py)
+            from engines.huggingface.embedding import EmbeddingModel
+
+            self._embedder = await asyncio.to_thread(EmbeddingModel.load, self.model_path, self.config)
+            self._info = self._embedder.info
             return
         await asyncio.to_thread(self._load)
         self._batcher = _Batcher(self._handoff, self._model, max_num_seqs=self.config.hf.max_num_seqs,
@@ -201,7 +209,7 @@ class HuggingFaceEngine(Engine):
         return self._info
 
     async def check_health(self) -> None:
-        if self._reward is not None:
+        if self._reward is not None or self._embedder is not None:
             return
         if self._model is None or self._batcher is None:
             raise ServingError.unavailable("huggingface engine: model not loaded")
@@ -216,7 +224,7 @@ class HuggingFaceEngine(Engine):
             await asyncio.to_thread(self._batcher.stop)
         if self._grammars is not None:
             self._grammars.close()
-        self._model = self._reward = None
+        self._model = self._reward = self._embedder = None
 
     async def score(self, texts: list[str], max_length: int | None = None) -> list[float]:
         """Reward scores (`engines.huggingface.reward.RewardModel.score`), one request at a time.
@@ -230,6 +238,19 @@ class HuggingFaceEngine(Engine):
                                              param="model")
         async with self._score_lock:
             return await asyncio.to_thread(self._reward.score, texts, max_length)
+
+    async def embed(self, inputs: list[list[int]], dimensions: int | None = None) -> list[list[float]]:
+        """Embeddings (`engines.huggingface.embedding.EmbeddingModel.embed`), one request at a time
+        (a request's inputs share forward passes).
+
+        Raises:
+            ServingError(NOT_SUPPORTED): this model generates (or scores).
+            ServingError(INVALID_REQUEST, CONTEXT_LENGTH_EXCEEDED): see `EmbeddingModel.embed`.
+        """
+        if self._embedder is None:
+            raise ServingError.not_supported("this model is not an embedding model (task: embed)", param="model")
+        async with self._score_lock:
+            return await asyncio.to_thread(self._embedder.embed, inputs, dimensions)
 
     @property
     def num_running(self) -> int:
@@ -247,6 +268,9 @@ class HuggingFaceEngine(Engine):
         if self._reward is not None:
             raise ServingError.not_supported(f"this is a reward model (stage {self.config.stage!r}): it scores texts "
                                              "and does not generate", param="model")
+        if self._embedder is not None:
+            raise ServingError.not_supported("this is an embedding model (task: embed): it does not generate",
+                                             param="model")
         await self.check_health()
         state = self._new_state(request)
         # Compiled here, on a worker thread, before the request reaches the batcher: a slow
