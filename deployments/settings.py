@@ -79,6 +79,12 @@ class IngressFields(BaseModel):
         "request waits on a loaded CPU replica for normal prompts: a batch slot frees when one of the "
         "running requests ends, within one `max_new_tokens` (1024) of decode steps (tens of ms each on a "
         "CPU).")
+    max_batch_prompts: int = Field(
+        256, gt=0, description="Most prompts one `/v1/completions` request may list (a list of prompts fans out "
+        "into one engine request each); more get a 400 naming `prompt`.")
+    max_prompt_logprobs: int = Field(
+        20, ge=0, description="Most alternatives per prompt token that `prompt_logprobs` (and `echo` with "
+        "`logprobs`) may ask for, as vLLM's `max_logprobs`; more get a 400 naming the field.")
     log_prompts: bool = Field(False, description="Debug only: log prompts and completions.")
     media: MediaSettings = Field(
         default_factory=MediaSettings, description="Where image_url content parts may come from, and their "

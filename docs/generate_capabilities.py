@@ -28,6 +28,7 @@ FEATURE_LABELS: dict[str, str] = {
     "seed": "`seed`",
     "stop_strings": "`stop` strings",
     "logprobs": "`logprobs` / `top_logprobs`",
+    "prompt_logprobs": "`prompt_logprobs`; `echo` with `logprobs` (completions)",
     "presence_frequency_penalty": "`presence_penalty` / `frequency_penalty`",
     "min_p": "`min_p`",
     "logit_bias": "`logit_bias`",

@@ -120,6 +120,9 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus top k
+    # vLLM's `prompt_logprobs`: None: none; k >= 0: each prompt token's log-probability (given the
+    # tokens before it) plus the top k at its position; the first token has none
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
     # token id -> bias in [-100, 100], added to that token's logit before penalties and sampling
@@ -204,6 +207,8 @@ class TokenLogprob:
     token: str
     logprob: float
     top_logprobs: list["TokenLogprob"] = field(default_factory=list)
+    # 1-based rank of the token in its position's distribution (vLLM's `Logprob.rank`); None: not known
+    rank: int | None = None
 
 
 @dataclass
@@ -214,7 +219,9 @@ class GenerationDelta:
     were generated for it since the previous delta of that choice. `finish_reason` is set on the
     last delta of a choice; `usage` on the last delta of the whole request. `logprobs` (only when
     `SamplingParams.logprobs` is set and the backend has the capability) holds one entry per
-    token of this delta.
+    token of this delta. `prompt_logprobs` (only when `SamplingParams.prompt_logprobs` is set)
+    is on the first delta of the request: one entry per prompt token, None for the first
+    (vLLM's `RequestOutput.prompt_logprobs`).
     """
 
     index: int = 0
@@ -224,6 +231,7 @@ class GenerationDelta:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, default_max_new_tokens: int,
@@ -319,6 +327,7 @@ class Capabilities:
     seed: bool = True
     stop_strings: bool = True
     logprobs: bool = False
+    prompt_logprobs: bool = False  # `SamplingParams.prompt_logprobs` (echo with logprobs, vLLM's prompt_logprobs)
     presence_frequency_penalty: bool = True
     min_p: bool = True
     logit_bias: bool = True

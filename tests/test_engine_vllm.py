@@ -156,6 +156,24 @@ def test_logprobs_come_with_each_token(vllm_engine, renderer):
             assert lp.token_id == lp.top_logprobs[0].token_id
 
 
+def test_prompt_logprobs_agree_with_huggingface(vllm_engine, hf_engine, renderer):
+    prompts = [renderer.render_completion("The capital of France is"), renderer.render_completion("One, two,")]
+
+    async def both(engine):
+        return await asyncio.gather(*(collect(engine, GenerationRequest(f"p{i}", ids, SamplingParams(
+            temperature=0, max_tokens=2, prompt_logprobs=2))) for i, ids in enumerate(prompts)))
+
+    vllm_out, hf_out = vrun(both(vllm_engine)), run(both(hf_engine))
+    for ids, v, h in zip(prompts, vllm_out, hf_out):
+        vp, hp = v[0].prompt_logprobs, h[0].prompt_logprobs  # on the first delta of each request
+        assert len(vp) == len(hp) == len(ids) and vp[0] is None and hp[0] is None
+        for token_id, a, b in zip(ids[1:], vp[1:], hp[1:]):
+            assert a.token_id == b.token_id == token_id and a.rank == b.rank
+            assert abs(a.logprob - b.logprob) < 1e-3
+            assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
+        assert all(d.prompt_logprobs is None for d in v[1:])
+
+
 def token_ids_of(deltas, index=0):
     return [t.token_id for d in deltas if d.index == index for t in d.logprobs or []]
 

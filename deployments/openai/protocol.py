@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from openai.types import Completion, CreateEmbeddingResponse, Embedding, Model
 from openai.types import CompletionChoice as OpenAICompletionChoice
+from openai.types.completion_choice import Logprobs as OpenAICompletionLogprobs
 from openai.types.chat import ChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from openai.types.chat import ChatCompletionMessage as OpenAIChatCompletionMessage
@@ -302,7 +303,6 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 # never a 200 that ignored them. (Fields that only label a request, such as `user`, `metadata`,
 # `store`, `service_tier`, `cache_salt`, stay accepted.) Field -> (default, what it is).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
-    "prompt_logprobs": (None, "vLLM's prompt logprobs"),
     "return_token_ids": (False, "vLLM's token ids in the response"),
     "return_tokens_as_token_ids": (False, "vLLM's tokens as token ids"),
     "use_beam_search": (False, "beam search"),
@@ -404,6 +404,9 @@ class SamplingFields(OpenAIBaseModel):
     guided_grammar: str | None = None
     # OpenAI's on chat; vLLM takes it on completions too
     response_format: ResponseFormat | None = None
+    # vLLM's: each prompt token's logprob and the top k at its position (bounded by the ingress's
+    # `max_prompt_logprobs`)
+    prompt_logprobs: int | None = Field(None, ge=0)
 
     @field_validator("stop")
     @classmethod
@@ -441,6 +444,13 @@ class SamplingFields(OpenAIBaseModel):
                                  f"got {repr(bias)[:40]}")
             out[token_id] = float(bias)
         return out
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> "SamplingFields":
+        # as vLLM's CompletionRequest/ChatCompletionRequest `check_logprobs`
+        if self.prompt_logprobs is not None and self.stream:
+            raise field_error("prompt_logprobs", "prompt_logprobs are not available when `stream` is true")
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -503,6 +513,7 @@ class SamplingFields(OpenAIBaseModel):
             n=self.n,
             seed=self.seed,
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             structured_output=self.structured_output(),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
@@ -511,6 +522,10 @@ class SamplingFields(OpenAIBaseModel):
     def num_logprobs(self) -> int | None:
         """None: no logprobs; k: the chosen token's log-probability plus the top k."""
         return None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """None: no prompt logprobs; k: each prompt token's log-probability plus the top k."""
+        return self.prompt_logprobs
 
     def structured_output(self) -> StructuredOutput | None:
         """The constraint of `response_format` (OpenAI's), or else of `structured_outputs` (vLLM's,
@@ -597,6 +612,9 @@ class CompletionRequest(SamplingFields):
     """`POST /v1/completions` (legacy text completions)."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    # 0 only with `echo`: the prompt and its logprobs without a generated token (OpenAI's legacy
+    # API, vLLM's `echo_without_generation`)
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -605,12 +623,49 @@ class CompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        """`prompt_logprobs`, or with `echo` and `logprobs` at least `logprobs` (vLLM's
+        `CompletionRequest`: the echoed prompt's tokens come with their logprobs)."""
+        echoed = self.logprobs if self.echo else None
+        if echoed is None or self.prompt_logprobs is None:
+            return echoed if echoed is not None else self.prompt_logprobs
+        return max(echoed, self.prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt is answered, nothing is generated."""
+        return self.echo and self.max_tokens == 0
+
+    def effective_max_tokens(self) -> int | None:
+        # the engine generates one token, which the answer leaves out (vLLM does the same)
+        return 1 if self.echo_only else self.max_tokens
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts of the request: a list of one for a single prompt (a text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, value: Any) -> Any:
         if value == "" or value == []:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                if item == "" or item == []:
+                    raise ValueError(f"prompt[{i}] must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _max_tokens_zero_needs_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error("max_tokens", "max_tokens 0 is only allowed with `echo` (the prompt answered "
+                              "without generating)")
+        if self.echo_only and self.stream:
+            raise field_error("max_tokens", "max_tokens 0 with `echo` is not available when `stream` is true")
+        return self
 
 
 class ScoreEvaluationRequest(OpenAIBaseModel):
@@ -826,6 +881,8 @@ class ChatCompletionChoice(OpenAIChatChoice):
 
 class ChatCompletionResponse(ChatCompletion):
     choices: list[ChatCompletionChoice]
+    # vLLM's, as on `CompletionChoice`
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class ChatCompletionChunkChoice(OpenAIChunkChoice):
@@ -838,9 +895,20 @@ class ChatCompletionChunk(OpenAIChatCompletionChunk):
     choices: list[ChatCompletionChunkChoice]
 
 
+class CompletionLogprobs(OpenAICompletionLogprobs):
+    """A completion's `logprobs`; with `echo`, the first prompt token's logprob and top
+    logprobs are null (it has no context), as OpenAI's legacy API and vLLM answer."""
+
+    token_logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
 class CompletionChoice(OpenAICompletionChoice):
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    # vLLM's: per prompt token, None for the first, else token id -> `{logprob, rank, decoded_token}`
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(Completion):

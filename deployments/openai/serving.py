@@ -7,7 +7,7 @@ import asyncio
 import logging
 import uuid
 from functools import partial
-from typing import AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -17,8 +17,10 @@ from pydantic import BaseModel
 
 from deployments.serve.router import ServedModel, ModelRouter
 from deployments.settings import IngressSettings
+from deployments.openai.protocol import clamp_logprob
 from deployments.openai.sse import response_headers, sse_response
-from engines.base import GenerationDelta, StructuredOutput, Usage
+from engines.base import GenerationDelta, StructuredOutput, TokenLogprob, Usage
+from engines.errors import ServingError
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,6 +74,14 @@ class OpenAIServing:
             self._context_lengths[model_id] = info.max_model_len
         return self._context_lengths[model_id]
 
+    def check_prompt_logprobs(self, wanted: int | None, param: str = "prompt_logprobs") -> None:
+        """Refuse (INVALID_REQUEST naming `param`) more prompt logprobs alternatives than the
+        ingress's `max_prompt_logprobs` (vLLM's `max_logprobs` bound)."""
+        if wanted is not None and wanted > self.settings.max_prompt_logprobs:
+            raise ServingError.invalid_request(f"{param}: {wanted} prompt logprobs asked for; at most "
+                                               f"{self.settings.max_prompt_logprobs} (max_prompt_logprobs)",
+                                               param=param)
+
     @staticmethod
     def request_id(request: Request, prefix: str) -> str:
         """`<prefix>-<x-request-id>`: Ray Serve's proxy sets x-request-id (from the client's
@@ -104,3 +114,25 @@ def json_response(model: BaseModel, backend: str) -> Response:
     headers of every generation response."""
     return Response(model.model_dump_json(exclude_unset=True), media_type="application/json",
                     headers=response_headers(backend))
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list[TokenLogprob | None] | None,
+                         k: int) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or `{token id: {logprob,
+    rank, decoded_token}}` for the token and its position's top `k` (vLLM's
+    `PromptLogprobs` as its server serializes them)."""
+    if prompt_logprobs is None:
+        return None
+
+    def one(t: TokenLogprob) -> dict[str, Any]:
+        return {"logprob": clamp_logprob(t.logprob), "rank": t.rank, "decoded_token": t.token}
+
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry_lp in prompt_logprobs:
+        if entry_lp is None:
+            out.append(None)
+            continue
+        position = {str(a.token_id): one(a) for a in entry_lp.top_logprobs[:k]}
+        position.setdefault(str(entry_lp.token_id), one(entry_lp))
+        out.append(position)
+    return out

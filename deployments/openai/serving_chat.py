@@ -33,7 +33,7 @@ from deployments.openai.protocol import (
     clamp_logprob,
 )
 from deployments.serve.router import ServedModel, ModelRouter, check_capabilities, label_request
-from deployments.openai.serving import OpenAIServing, json_response, usage_info
+from deployments.openai.serving import OpenAIServing, json_response, usage_info, vllm_prompt_logprobs
 from deployments.settings import IngressSettings
 from deployments.openai.sse import sse_event
 from engines.prompt.reasoning import ReasoningStreamer, ThoughtWords, split_reasoning, template_kwargs_for_effort
@@ -72,6 +72,7 @@ class ChatServing(OpenAIServing):
         entry = self.router.resolve(body.model)
         label_request(request, entry)
         check_capabilities(entry, body)
+        self.check_prompt_logprobs(body.prompt_logprobs)
         constraint = body.structured_output()
         if body.forced_tool_choice is not None:  # the call written in the template's own tool format
             template = entry.renderer.template
@@ -120,8 +121,9 @@ class ChatServing(OpenAIServing):
                 finish_reason="tool_calls" if calls else full.finish_reasons[i], stop_reason=full.stop_reasons[i]))
         return json_response(ChatCompletionResponse(
             id=request_id, object="chat.completion", created=created, model=entry.model_id,
-            usage=usage_info(full.usage, reasoning_tokens if words is not None else None), choices=choices),
-            entry.capabilities.backend)
+            usage=usage_info(full.usage, reasoning_tokens if words is not None else None), choices=choices,
+            prompt_logprobs=(vllm_prompt_logprobs(full.prompt_logprobs, body.prompt_logprobs)
+                             if body.prompt_logprobs is not None else None)), entry.capabilities.backend)
 
     async def render_prompt(self, entry: ServedModel, body: ChatCompletionRequest | TokenizeRequest,
                             messages: list[dict], add_generation_prompt: bool = True,

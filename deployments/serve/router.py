@@ -143,6 +143,9 @@ def check_capabilities(entry: ServedModel, req: SamplingFields) -> None:
         "logit_bias": (bool(req.logit_bias), "logit_bias", "logit_bias"),
         "lora": (entry.lora_name is not None, "model", "LoRA adapters"),
         "logprobs": (req.num_logprobs() is not None, "logprobs", "logprobs"),
+        "prompt_logprobs": (req.num_prompt_logprobs() is not None,
+                            "prompt_logprobs" if req.prompt_logprobs is not None else "echo",
+                            "prompt logprobs (prompt_logprobs, or echo with logprobs)"),
         "response_format": (constraint is not None, constraint_param,
                             f"{constraint_param} ({constraint.kind if constraint else ''}, constrained decoding)"),
         "forced_tool_choice": (tool_choice not in (None, "none", "auto"), "tool_choice",
@@ -398,7 +401,7 @@ class FullGeneration:
     """All deltas of a non-streamed request, per choice: `texts`, `finish_reasons`,
     `stop_reasons`, `logprobs` (None where not asked for), `token_marks` (characters and tokens
     of the text after each delta, cumulative: which tokens made which text, at the deltas'
-    granularity); `usage` of the whole request."""
+    granularity); `usage` and `prompt_logprobs` (None where not asked for) of the whole request."""
 
     def __init__(self, n: int):
         self.texts: list[str] = [""] * n
@@ -407,6 +410,7 @@ class FullGeneration:
         self.logprobs: list[list[TokenLogprob] | None] = [None] * n
         self.token_marks: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self.usage: Usage | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (one per prompt token)
 
 
 async def _chain(first: list[GenerationDelta],
@@ -430,5 +434,6 @@ async def _collect(n: int, first: list[GenerationDelta], stream: AsyncIterator[G
         if delta.finish_reason:
             full.finish_reasons[delta.index], full.stop_reasons[delta.index] = delta.finish_reason, delta.stop_reason
         full.usage = delta.usage or full.usage
+        full.prompt_logprobs = delta.prompt_logprobs or full.prompt_logprobs
     full.texts = ["".join(t) for t in texts]
     return full

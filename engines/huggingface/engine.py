@@ -72,8 +72,8 @@ class HuggingFaceEngine(Engine):
         config: the model's `EngineConfig` (`infer_backend: huggingface`).
     """
 
-    capabilities = Capabilities(backend="huggingface", logprobs=True, lora=True, response_format=True,
-                                forced_tool_choice=True, images=True, scoring=True,
+    capabilities = Capabilities(backend="huggingface", logprobs=True, prompt_logprobs=True, lora=True,
+                                response_format=True, forced_tool_choice=True, images=True, scoring=True,
                                 embedding=True)
 
     def __init__(self, config: EngineConfig):
@@ -287,6 +287,7 @@ class HuggingFaceEngine(Engine):
             emit=partial(self._handoff.for_loop(asyncio.get_running_loop()).emit, collector),
         )
         self._batcher.submit(batch_request)
+        prompt_logprobs_sent = False
         try:
             while True:
                 try:
@@ -305,6 +306,11 @@ class HuggingFaceEngine(Engine):
                         self._batcher.finish_choice(batch_request, index)
                     touched[index] = choice
                 deltas = [d for c in touched.values() if (d := c.take_delta()) is not None]
+                if batch_request.prompt_logprobs is not None and not prompt_logprobs_sent:
+                    prompt_logprobs_sent = True
+                    if not deltas:
+                        deltas.append(GenerationDelta(index=state.choices[0].index))
+                    deltas[0].prompt_logprobs = self._prompt_logprobs(state.prompt_ids, batch_request.prompt_logprobs)
                 done = all(c.finished for c in state.choices)
                 if done:
                     usage = Usage(prompt_tokens=len(state.prompt_ids),
@@ -369,8 +375,15 @@ class HuggingFaceEngine(Engine):
                 self._grammars = GrammarCompiler(self._tokenizer, vocab, stop_token_ids=sorted(self._eos_ids))
         return self._grammars.compile(constraint)
 
-    def _token_logprob(self, token: int, logprobs: tuple) -> TokenLogprob:
+    def _prompt_logprobs(self, prompt_ids: list[int], entries: list) -> list[TokenLogprob | None]:
+        """The batcher's prompt logprobs (`BatchRequest.prompt_logprobs`) as `TokenLogprob`s, one
+        per prompt token of `prompt_ids`, None for the first."""
+        return [None if entry is None else self._token_logprob(token, entry[:2], rank=entry[2])
+                for token, entry in zip(prompt_ids, entries)]
+
+    def _token_logprob(self, token: int, logprobs: tuple, rank: int | None = None) -> TokenLogprob:
         logprob, top = logprobs
         decode = self._tokenizer.decode
-        return TokenLogprob(token_id=token, token=decode([token]), logprob=logprob,
-                            top_logprobs=[TokenLogprob(t, decode([t]), lp) for t, lp in top])
+        alternatives = [TokenLogprob(t, decode([t]), lp, rank=i + 1) for i, (t, lp) in enumerate(top)]
+        return TokenLogprob(token_id=token, token=decode([token]), logprob=logprob, rank=rank,
+                            top_logprobs=alternatives)

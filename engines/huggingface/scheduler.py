@@ -89,6 +89,8 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 # (choice index, token id, finish reason or None, stop reason or None, logprobs or None) where
 # logprobs = (log-probability of the token, [(token id, log-probability), ...] top alternatives)
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
+# a prompt token's: (its log-probability, [(token id, log-probability), ...] top alternatives, its rank)
+PromptTokenLogprobs = tuple[float, list[tuple[int, float]], int]
 TokenEvent = tuple[int, int, "str | None", "str | int | None", "TokenLogprobs | None"]
 
 
@@ -114,6 +116,9 @@ class BatchRequest:
     finished_choices: set[int] = field(default_factory=set)
     arrival_time: float = 0.0  # time.monotonic() when submitted (s), as vLLM's Request.arrival_time
     scheduled_time: float | None = None  # time.monotonic() when admitted to the batch (s)
+    # filled by the prefill when `params.prompt_logprobs` is set: one entry per prompt token,
+    # None for the first; complete before the request's first token event is emitted
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
 
 
 @dataclass(eq=False)
@@ -517,9 +522,15 @@ class ContinuousBatcher:
         end = start + self._chunk_columns(job)
         admitted = job.requests
         media = admitted[0].model_inputs or {}  # only set when it was admitted alone
+        # Prompt logprobs come from this pass's logits over every column (no second pass), so a
+        # prefill that wants them computes the LM head over its whole chunk.
+        wants_prompt = any(r.params.prompt_logprobs is not None for r in admitted)
         out = self.model(input_ids=job.ids[:, start:end], attention_mask=job.mask[:, :end],
                          position_ids=job.positions[:, start:end], past_key_values=job.cache,
-                         use_cache=self.use_kv_cache, **media, **self._adapter_kwargs(admitted), **self._last_logits)
+                         use_cache=self.use_kv_cache, **media, **self._adapter_kwargs(admitted),
+                         **({} if wants_prompt else self._last_logits))
+        if wants_prompt:
+            self._prompt_logprobs(job, start, end, out.logits)
         job.cache, job.done = out.past_key_values if self.use_kv_cache else None, end
         if end < job.width:
             if self._has_decoding_rows():
@@ -548,6 +559,34 @@ class ContinuousBatcher:
         self._prefilling = None
         for row, token, lp in zip(new_rows, tokens.tolist(), logprobs):
             self._record(row, token, events, lp)
+
+    @staticmethod
+    def _prompt_logprobs(job: _Prefill, start: int, end: int, logits: torch.Tensor) -> None:
+        """Append to each request of `job` that asked for prompt logprobs those of its prompt
+        tokens that columns `start:end`'s logits predict (`logits` shape `[prompts, end - start,
+        vocab]`): the logits at column c give the distribution of the token at column c + 1, so a
+        chunk's last column predicts the next chunk's first token, and the prompt's last column
+        predicts the first generated token (not a prompt token). Each entry: the token's
+        log-probability, the top `prompt_logprobs` alternatives, its rank (vLLM's `Logprob`)."""
+        width = job.width
+        for i, request in enumerate(job.requests):
+            k = request.params.prompt_logprobs
+            if k is None:
+                continue
+            pad = width - len(request.prompt_ids)
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None]  # the first prompt token has no context
+            first, last = max(start, pad), min(end, width - 1)
+            if first >= last:
+                continue
+            logp = torch.log_softmax(logits[i, first - start:last - start].float(), dim=-1)
+            chosen = logp.gather(1, job.ids[i, first + 1:last + 1, None])[:, 0]
+            ranks = ((logp > chosen[:, None]).sum(-1) + 1).tolist()
+            top = torch.topk(logp, min(k, logp.shape[-1])) if k else None
+            top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+            for j, (lp, rank) in enumerate(zip(chosen.tolist(), ranks)):
+                alternatives = list(zip(top_ids[j], top_lps[j])) if top is not None else []
+                request.prompt_logprobs.append((lp, alternatives, rank))
 
     def _merge(self, rows: list[_Row], cache: Any, mask: torch.Tensor, tokens: torch.Tensor) -> None:
         if not self._rows:

@@ -71,8 +71,8 @@ class SGLangEngine(Engine):
     replica. Seeds are not supported (SGLang seeds per request only in deterministic mode).
     """
 
-    capabilities = Capabilities(backend="sglang", seed=False, logprobs=True, lora=True, response_format=True,
-                                forced_tool_choice=True)
+    capabilities = Capabilities(backend="sglang", seed=False, logprobs=True, prompt_logprobs=True, lora=True,
+                                response_format=True, forced_tool_choice=True)
     server_name = "sglang"
     stop_grace_s = 10.0  # seconds between SIGTERM and SIGKILL of the server's process group
 

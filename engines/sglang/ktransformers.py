@@ -43,7 +43,7 @@ class KTransformersEngine(SGLangEngine):
     LoRA adapters are not offered: SGLang's LoRA with kt-kernel experts is not verified.
     """
 
-    capabilities = Capabilities(backend="ktransformers", seed=False, logprobs=True, lora=False,
+    capabilities = Capabilities(backend="ktransformers", seed=False, logprobs=True, prompt_logprobs=True, lora=False,
                                 response_format=True, forced_tool_choice=True)
     server_name = "ktransformers"
 

@@ -93,8 +93,12 @@ def generate_payload(rid: str, prompt_ids: list[int], params: SamplingParams, ma
     }
     if lora_name is not None:
         body["lora_path"] = lora_name  # SGLang takes the adapter's name from --lora-paths here
-    if params.logprobs is not None:
-        body.update(return_logprob=True, top_logprobs_num=params.logprobs, return_text_in_logprobs=True)
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        # one top-k for the prompt's and the output's positions: the larger, each cut to its own
+        body.update(return_logprob=True, top_logprobs_num=max(params.logprobs or 0, params.prompt_logprobs or 0),
+                    return_text_in_logprobs=True)
+    if params.prompt_logprobs is not None:
+        body["logprob_start_len"] = 0  # SGLang's: logprobs of the input from its first token
     return body
 
 
@@ -123,6 +127,7 @@ class StreamParser:
         # SGLang finds the stop strings itself; lmserve holds back their beginnings.
         self.choices = [ChoiceOutput(i, params.stop, find_stops=False) for i in range(params.n)]
         self._logprobs_seen = [0] * params.n
+        self._prompt_logprobs_sent = False
         self.rids: set[str] = set()
         self.prompt_tokens = 0
 
@@ -169,7 +174,33 @@ class StreamParser:
         finish, stop_reason = self._finish(meta.get("finish_reason"))
         if finish is not None:
             choice.finish(finish, stop_reason)
-        return choice.take_delta()
+        delta = choice.take_delta()
+        if self.params.prompt_logprobs is not None and not self._prompt_logprobs_sent \
+                and meta.get("input_token_logprobs"):
+            self._prompt_logprobs_sent = True
+            delta = delta or GenerationDelta(index=index)
+            delta.prompt_logprobs = self._prompt_logprobs(meta)
+        return delta
+
+    def _prompt_logprobs(self, meta: dict[str, Any]) -> list[TokenLogprob | None]:
+        """SGLang's `input_token_logprobs` / `input_top_logprobs` (`[logprob, token_id, text]`
+        each; the first token's logprob is null) as one entry per prompt token, its top
+        `prompt_logprobs` alternatives and its rank where they show it (SGLang sends no ranks)."""
+        k = self.params.prompt_logprobs or 0
+        tokens = meta.get("input_token_logprobs") or []
+        tops = meta.get("input_top_logprobs") or []
+        out: list[TokenLogprob | None] = []
+        for i, (logprob, token_id, text, *_) in enumerate(tokens):
+            if logprob is None:
+                out.append(None)
+                continue
+            top = [TokenLogprob(int(t), s or "", float(lp), rank=r + 1)
+                   for r, (lp, t, s, *_) in enumerate((tops[i] if i < len(tops) else None) or [])]
+            rank = next((a.rank for a in top if a.token_id == int(token_id)), None)
+            out.append(TokenLogprob(int(token_id), text or "", float(logprob), top[:k], rank=rank))
+        if len(out) < self.prompt_tokens:  # aligned on the prompt's last token
+            out = [None] * (self.prompt_tokens - len(out)) + out
+        return out
 
     def _finish(self, reason: Any) -> tuple[str | None, str | int | None]:
         """SGLang's `finish_reason` -> (lmserve finish reason, stop reason). `matched` is the stop
@@ -211,6 +242,7 @@ class StreamParser:
             logprob, token_id, text = tokens[i][:3]
             alternatives = [TokenLogprob(int(t), s or "", float(lp)) for lp, t, s, *_ in (tops[i] or [])] \
                 if i < len(tops) else []
+            alternatives = alternatives[:self.params.logprobs]  # the request asked a larger top-k for its prompt
             new.append(TokenLogprob(int(token_id), text or "", float(logprob), alternatives))
         self._logprobs_seen[index] = len(tokens)
         return new
