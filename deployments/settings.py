@@ -65,6 +65,14 @@ class IngressFields(BaseModel):
         "variable); empty: CORS off.")
     max_request_body_bytes: int = Field(
         10 * 1024 * 1024, gt=0, description="Larger request bodies get 413 (bytes).")
+    responses_store_max_entries: int = Field(
+        1000, gt=0, description="Most responses of `POST /v1/responses` with `store: true` (OpenAI's default) the "
+        "application keeps for `previous_response_id` and `GET /v1/responses/{id}`, each with its conversation; "
+        "past it the oldest is dropped. One store per application (a Ray actor its ingress replicas share), in "
+        "memory: it is lost when the application restarts.")
+    responses_store_ttl_s: float = Field(
+        3600, gt=0, description="A stored response is dropped this long (seconds) after it was stored; its ID is "
+        "then a 404 as `previous_response_id` and on `GET /v1/responses/{id}`.")
     request_timeout_s: float = Field(
         600, gt=0, description="A request still generating after this long (seconds) is ended with a 504, "
         "or an error event in a stream.")

@@ -32,6 +32,8 @@ BASES = {
     # a chat: most of its fields are the chat's (a `prompt` fuzzed in beside it is refused, as it should be)
     "/tokenize": {"model": "fake", "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]},
     "/detokenize": {"model": "fake", "tokens": [72, 105]},
+    "/v1/responses": {"model": "fake", "input": "What is the capital of France?", "max_output_tokens": 3,
+                      "store": False},
 }
 
 
@@ -191,6 +193,11 @@ def test_any_json_in_any_field_is_a_2xx_or_a_4xx_in_openais_shape(app_loop, rout
     assert_answered_in_openai_terms(response)
     if response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream"):
         events = [line for line in response.text.split("\n") if line.startswith("data: ")]
+        if route == "/v1/responses":  # OpenAI's typed events: no [DONE], the last one ends the response
+            last = json.loads(events[-1][6:])
+            assert last["type"] in ("response.completed", "response.incomplete", "error"), response.text[-500:]
+            assert last.get("code") != "internal_error", response.text[-500:]
+            events.append("data: [DONE]")
         assert events[-1] == "data: [DONE]"
         assert all(json.loads(e[6:]).get("error", {}).get("type") != "internal_error" for e in events[:-1]), \
             response.text[:500]

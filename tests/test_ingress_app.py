@@ -44,6 +44,15 @@ class _Routes:
         self.reached += 1
         raise self.raises
 
+    async def responses(self):
+        raise NotImplementedError
+
+    async def get_response(self, response_id: str):
+        raise NotImplementedError
+
+    async def delete_response(self, response_id: str):
+        raise NotImplementedError
+
     async def score_evaluation(self):
         raise NotImplementedError
 

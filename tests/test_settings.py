@@ -61,8 +61,10 @@ def test_client_read_timeout_from_args_or_the_environment(monkeypatch):
         parse_args({"models": [{"model_name_or_path": "m"}], "client_read_timeout_s": 0})
 
 
-INGRESS_SETTINGS = ["api_keys", "api_key_file", "cors_allow_origins", "max_request_body_bytes", "request_timeout_s",
-                    "client_read_timeout_s", "queue_timeout_s", "log_prompts", "media"]
+INGRESS_SETTINGS = ["api_keys", "api_key_file", "cors_allow_origins", "max_request_body_bytes",
+                    "responses_store_max_entries", "responses_store_ttl_s", "request_timeout_s",
+                    "client_read_timeout_s", "queue_timeout_s", "max_batch_prompts", "max_prompt_logprobs",
+                    "log_prompts", "media"]
 
 
 def _variable(name: str) -> str:
@@ -101,7 +103,9 @@ BOUNDED = [name for name in INGRESS_SETTINGS if _out_of_bounds(name) is not None
 
 
 def test_the_bounded_ingress_settings_are_the_expected_ones():
-    assert BOUNDED == ["max_request_body_bytes", "request_timeout_s", "client_read_timeout_s", "queue_timeout_s"]
+    assert BOUNDED == ["max_request_body_bytes", "responses_store_max_entries", "responses_store_ttl_s",
+                       "request_timeout_s", "client_read_timeout_s", "queue_timeout_s", "max_batch_prompts",
+                       "max_prompt_logprobs"]
 
 
 @pytest.mark.parametrize("name", BOUNDED)

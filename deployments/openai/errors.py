@@ -103,6 +103,8 @@ def to_error_response(exc: BaseException) -> tuple[int, ErrorResponse]:
         exc = overloaded_from_backpressure(exc)
     if isinstance(exc, ServingError):
         status, kind, code = _HTTP_ERRORS[exc.kind]
+        if exc.kind == ErrorKind.NOT_FOUND and exc.param != "model":  # a stored response's ID, not a model
+            code = None
         info = ErrorInfo(message=exc.message, type=kind, param=exc.param, code=code)
     elif isinstance(exc, RequestValidationError):
         message, param = describe_validation_error(exc)

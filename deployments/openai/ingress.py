@@ -48,6 +48,8 @@ from deployments.openai.protocol import (
 from deployments.serve.router import ServedModel, ModelRouter
 from deployments.openai.serving_chat import ChatServing
 from deployments.openai.serving_completion import CompletionServing
+from deployments.openai.responses_protocol import ResponsesRequest
+from deployments.openai.serving_responses import ResponsesServing
 from deployments.openai.serving_embedding import EmbeddingServing
 from deployments.openai.serving_score import ScoreServing
 from deployments.openai.serving_tokenize import TokenizeServing
@@ -131,6 +133,9 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     app.post("/v1/chat/completions")(ingress.chat_completions)
     app.post("/v1/completions")(ingress.completions)
     app.post("/v1/score/evaluation")(ingress.score_evaluation)
+    app.post("/v1/responses")(ingress.responses)
+    app.get("/v1/responses/{response_id}")(ingress.get_response)
+    app.delete("/v1/responses/{response_id}")(ingress.delete_response)
     app.post("/v1/embeddings")(ingress.embeddings)
     # at the root, not under /v1: where vLLM serves them
     app.post("/tokenize")(ingress.tokenize)
@@ -142,7 +147,8 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     app.add_middleware(APIKeyMiddleware, api_keys=ingress.api_keys, public_paths=PUBLIC_PATHS | docs,
                        on_reject=lambda: ingress_metrics().count_error(401, "", ""))
     if settings.cors_allow_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins,
+                           allow_methods=["GET", "POST", "DELETE"],  # DELETE: a stored response
                            allow_headers=["authorization", "content-type", "x-request-id"])
     return app
 
@@ -198,6 +204,7 @@ class OpenAIIngress:
         self.serving_score = ScoreServing(self.router, self.settings)
         self.serving_embedding = EmbeddingServing(self.router, self.settings)
         self.serving_tokenize = TokenizeServing(self.router, self.settings, self.serving_chat)
+        self.serving_responses = ResponsesServing(self.router, self.settings, self.serving_chat)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self)
@@ -250,3 +257,15 @@ class OpenAIIngress:
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
         """The text of token ids (vLLM's `/detokenize`)."""
         return await self.serving_tokenize.detokenize(body, request)
+
+    async def responses(self, body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API on the chat serving path (deployments/openai/serving_responses.py)."""
+        return await self.serving_responses.create_response(body, request)
+
+    async def get_response(self, response_id: str) -> Response:
+        """A response stored with `store: true`; 404 naming the ID when it is not (or no longer) kept."""
+        return await self.serving_responses.get_response(response_id)
+
+    async def delete_response(self, response_id: str) -> dict:
+        """Drop a stored response; 404 naming the ID when it is not kept."""
+        return await self.serving_responses.delete_response(response_id)

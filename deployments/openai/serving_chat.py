@@ -47,6 +47,29 @@ from engines.prompt.media import ImageLoader, image_parts
 logger = logging.getLogger("ray.serve")
 
 
+@dataclasses.dataclass
+class PreparedChat:
+    """A chat request checked and rendered (`ChatServing.prepare`), not yet sent to the engine.
+
+    Attributes:
+        arrival: when the request arrived (`time.monotonic()`, seconds).
+        created: its Unix time (seconds), OpenAI's `created`.
+        thought_words, in_thought: the template's thought words (None: no split) and whether
+            the prompt opened the thought.
+        max_tool_calls: 1 under `parallel_tool_calls: false`, else None (no bound).
+    """
+
+    body: ChatCompletionRequest
+    entry: ServedModel
+    gen_request: GenerationRequest
+    request_id: str
+    arrival: float
+    created: int
+    thought_words: ThoughtWords | None
+    in_thought: bool
+    max_tool_calls: int | None
+
+
 class ChatServing(OpenAIServing):
     """Serves chat completions.
 
@@ -68,6 +91,27 @@ class ChatServing(OpenAIServing):
             ServingError: before any output (unknown model, a capability the backend lacks, a
                 prompt too long, ...); once streaming, errors are sent as an error event.
         """
+        chat = await self.prepare(body, request)
+        entry, gen_request = chat.entry, chat.gen_request
+        if body.stream:
+            first, stream = await self.router.start_stream(entry, gen_request, self.router.deadline(), chat.arrival)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = chat_chunks(chat.request_id, chat.created, entry.model_id, body.n, first, stream, include_usage,
+                                 parse_tools=body.tools_enabled, tool_parser=parser_for(entry.renderer.template),
+                                 thought_words=chat.thought_words, in_thought=chat.in_thought,
+                                 max_tool_calls=chat.max_tool_calls)
+            return self.sse_response(entry, chunks, stream)
+        return json_response(await self.complete(chat), entry.capabilities.backend)
+
+    async def prepare(self, body: ChatCompletionRequest, request: Request, prefix: str = "chatcmpl") -> PreparedChat:
+        """`body` checked and rendered, ready for the engine: the model's entry, the
+        `GenerationRequest` (ID `<prefix>-...`) and what parsing its output needs. The Responses
+        API (deployments/openai/serving_responses.py) builds a chat request and comes here too.
+
+        Raises:
+            ServingError: unknown model, a capability the backend lacks, a constraint that does
+                not compile, a prompt that cannot be rendered or is too long (`render_prompt`).
+        """
         arrival = time.monotonic()
         entry = self.router.resolve(body.model)
         label_request(request, entry)
@@ -82,7 +126,7 @@ class ChatServing(OpenAIServing):
         await self.check_structured_output(entry, constraint)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         prompt_ids, media = await self.render_prompt(entry, body, messages)
-        request_id = self.request_id(request, "chatcmpl")
+        request_id = self.request_id(request, prefix)
         if self.settings.log_prompts:
             logger.info("%s messages=%r", request_id, messages)
         params = dataclasses.replace(entry.renderer.with_stop_token_ids(body.to_sampling_params()),
@@ -92,15 +136,19 @@ class ChatServing(OpenAIServing):
         max_tool_calls = 1 if body.parallel_tool_calls is False else None
         in_thought = words is not None and entry.renderer.prompt_opens_thought(prompt_ids)
         gen_request = GenerationRequest(request_id, prompt_ids, params, lora_name=entry.lora_name, media=media)
-        created = int(time.time())
-        if body.stream:
-            first, stream = await self.router.start_stream(entry, gen_request, self.router.deadline(), arrival)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = chat_chunks(request_id, created, entry.model_id, body.n, first, stream, include_usage,
-                                 parse_tools=body.tools_enabled, tool_parser=parser_for(entry.renderer.template),
-                                 thought_words=words, in_thought=in_thought, max_tool_calls=max_tool_calls)
-            return self.sse_response(entry, chunks, stream)
-        full = await self.router.generate_full(entry, gen_request, body.n, arrival)
+        return PreparedChat(body, entry, gen_request, request_id, arrival, int(time.time()), words, in_thought,
+                            max_tool_calls)
+
+    async def complete(self, chat: PreparedChat) -> ChatCompletionResponse:
+        """The whole chat completion of a prepared request: its choices parsed (thought,
+        content, tool calls) and its usage.
+
+        Raises:
+            ServingError: from the engine or the router (deadline, overload, a failed replica).
+        """
+        body, entry, request_id, words = chat.body, chat.entry, chat.request_id, chat.thought_words
+        in_thought, max_tool_calls, created = chat.in_thought, chat.max_tool_calls, chat.created
+        full = await self.router.generate_full(entry, chat.gen_request, body.n, chat.arrival)
         if self.settings.log_prompts:
             logger.info("%s completions=%r", request_id, full.texts)
         choices, reasoning_tokens = [], 0
@@ -119,11 +167,11 @@ class ChatServing(OpenAIServing):
             choices.append(ChatCompletionChoice(
                 index=i, message=message, logprobs=chat_logprobs(full.logprobs[i]),
                 finish_reason="tool_calls" if calls else full.finish_reasons[i], stop_reason=full.stop_reasons[i]))
-        return json_response(ChatCompletionResponse(
+        return ChatCompletionResponse(
             id=request_id, object="chat.completion", created=created, model=entry.model_id,
             usage=usage_info(full.usage, reasoning_tokens if words is not None else None), choices=choices,
             prompt_logprobs=(vllm_prompt_logprobs(full.prompt_logprobs, body.prompt_logprobs)
-                             if body.prompt_logprobs is not None else None)), entry.capabilities.backend)
+                             if body.prompt_logprobs is not None else None))
 
     async def render_prompt(self, entry: ServedModel, body: ChatCompletionRequest | TokenizeRequest,
                             messages: list[dict], add_generation_prompt: bool = True,
@@ -209,24 +257,13 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
                                          stop_reason=stop_reason)
 
     usage = None
-    streamers = [ToolCallStreamer(tool_parser) for _ in range(n)] if parse_tools else None
-    reasoners = [ReasoningStreamer(thought_words, in_thought) for _ in range(n)] if thought_words else None
+    parser = ChatStreamParser(n, parse_tools, tool_parser, thought_words, in_thought, max_tool_calls)
 
     def render(delta: GenerationDelta) -> list[str]:
         nonlocal usage
         usage = delta.usage or usage
-        text, finish, calls, thought = delta.text, delta.finish_reason, [], ""
-        if reasoners is not None:
-            thought, text = reasoners[delta.index].feed(text, delta.num_tokens)
-            if finish:
-                rest_thought, rest = reasoners[delta.index].finish()
-                thought, text = thought + rest_thought, text + rest
-        if streamers is not None:
-            text = streamers[delta.index].feed(text)
-            if finish:
-                rest, calls = streamers[delta.index].finish()
-                calls = calls[:max_tool_calls]
-                text += rest
+        finish = delta.finish_reason
+        thought, text, calls = parser.feed(delta)
         out = []
         if thought:
             thought_delta = ChoiceDelta(reasoning_content=thought, reasoning=thought)
@@ -256,7 +293,52 @@ async def chat_chunks(request_id: str, created: int, model: str, n: int, first: 
         for text in render(delta):
             yield text
     if include_usage and usage is not None:
-        yield chunk([], usage_info(usage, sum(r.reasoning_tokens for r in reasoners) if reasoners else None))
+        yield chunk([], usage_info(usage, parser.reasoning_tokens()))
+
+
+class ChatStreamParser:
+    """The parsing of a streamed chat's deltas, per choice: a thought split out of the answer
+    (`ReasoningStreamer`), then tool calls out of the answer (`ToolCallStreamer`, each call
+    whole once the choice finishes), at most `max_tool_calls` of them. Chat chunks
+    (`chat_chunks`) and the Responses API's events (deployments/openai/serving_responses.py)
+    are both written from it.
+
+    Args:
+        n: the request's choices.
+        parse_tools: tool calls are parsed out of the answer.
+        tool_parser: the template's tool call parser (None: the default).
+        thought_words, in_thought: the template's thought words (None: no split) and whether
+            the prompt opened the thought.
+        max_tool_calls: at most this many calls per choice (None: no bound).
+    """
+
+    def __init__(self, n: int, parse_tools: bool, tool_parser: ToolCallParser | None,
+                 thought_words: ThoughtWords | None, in_thought: bool, max_tool_calls: int | None):
+        self.streamers = [ToolCallStreamer(tool_parser) for _ in range(n)] if parse_tools else None
+        self.reasoners = [ReasoningStreamer(thought_words, in_thought) for _ in range(n)] if thought_words else None
+        self.max_tool_calls = max_tool_calls
+
+    def feed(self, delta: GenerationDelta) -> tuple[str, str, list[FunctionCall]]:
+        """`delta` parsed: (thought text, answer text, the tool calls completed by it); text that
+        may still be the start of a call or of the thought's end is held back until it is not,
+        and given with the delta that finishes the choice at the latest."""
+        text, finish, calls, thought = delta.text, delta.finish_reason, [], ""
+        if self.reasoners is not None:
+            thought, text = self.reasoners[delta.index].feed(text, delta.num_tokens)
+            if finish:
+                rest_thought, rest = self.reasoners[delta.index].finish()
+                thought, text = thought + rest_thought, text + rest
+        if self.streamers is not None:
+            text = self.streamers[delta.index].feed(text)
+            if finish:
+                rest, calls = self.streamers[delta.index].finish()
+                calls = calls[:self.max_tool_calls]
+                text += rest
+        return thought, text, calls
+
+    def reasoning_tokens(self) -> int | None:
+        """Tokens of thought so far, over the choices (None: no split)."""
+        return sum(r.reasoning_tokens for r in self.reasoners) if self.reasoners else None
 
 
 def tool_call_json(call: FunctionCall, index: int | None = None) -> dict:
