@@ -41,6 +41,7 @@ NEEDS = {
     "seed": ({"seed": 1}, "seed"),
     "stop_strings": ({"stop": ["x"]}, "stop"),
     "logprobs": ({"logprobs": True}, "logprobs"),
+    "prompt_logprobs": ({"prompt_logprobs": 1}, "prompt_logprobs"),
     "presence_frequency_penalty": ({"frequency_penalty": 0.5}, "presence_penalty"),
     "min_p": ({"min_p": 0.1}, "min_p"),
     "logit_bias": ({"logit_bias": {"5": -100}}, "logit_bias"),

@@ -241,7 +241,7 @@ def test_n_choices_use_index_and_count_every_rid():
 
 
 def test_logprobs_are_taken_from_meta_info():
-    parser = StreamParser(SamplingParams(logprobs=1))
+    parser = StreamParser(SamplingParams(logprobs=2))
     d = parser.feed(out("Hi", 1, output_token_logprobs=[[-0.1, 7, "Hi"]],
                         output_top_logprobs=[[[-0.1, 7, "Hi"], [-2.5, 8, "Hey"]]]))
     assert [(t.token_id, t.token, t.logprob) for t in d.logprobs] == [(7, "Hi", -0.1)]
@@ -250,3 +250,26 @@ def test_logprobs_are_taken_from_meta_info():
                         output_token_logprobs=[[-0.1, 7, "Hi"], [-0.3, 9, "!"]],
                         output_top_logprobs=[[[-0.1, 7, "Hi"]], [[-0.3, 9, "!"]]]))
     assert [t.token for t in d.logprobs] == ["!"]  # only the new position
+
+
+def test_prompt_logprobs_ask_sglang_for_input_logprobs_and_are_taken_from_meta_info():
+    params = SamplingParams(logprobs=1, prompt_logprobs=2)
+    body = generate_payload("r", [3, 4, 5], params, 4, None)
+    # one top-k for both: the larger; the input's logprobs from its first token
+    assert (body["return_logprob"], body["top_logprobs_num"], body["logprob_start_len"]) == (True, 2, 0)
+    assert "logprob_start_len" not in generate_payload("r", [3], SamplingParams(logprobs=1), 4, None)
+    parser = StreamParser(params)
+    tops = [[[-0.5, 8, "b"], [-1.0, 5, "c"]], [[-0.2, 5, "c"], [-3.0, 9, "d"]]]
+    d = parser.feed(out("Hi", 1, output_token_logprobs=[[-0.1, 7, "Hi"]],
+                        output_top_logprobs=[[[-0.1, 7, "Hi"], [-2.5, 8, "Hey"]]],
+                        input_token_logprobs=[[None, 3, "a"], [-1.0, 4, "b"], [-0.2, 5, "c"]],
+                        input_top_logprobs=[None, *tops]))
+    assert [len(t.top_logprobs) for t in d.logprobs] == [1]  # the output's own top-k, not the prompt's
+    first, second, third = d.prompt_logprobs
+    assert first is None
+    assert (second.token_id, second.logprob, second.rank) == (4, -1.0, None)  # not in its top 2: rank unknown
+    assert [(t.token_id, t.rank) for t in second.top_logprobs] == [(8, 1), (5, 2)]
+    assert (third.token_id, third.rank) == (5, 1)
+    later = parser.feed(out("Hi!", 2, {"type": "length", "length": 2},
+                            input_token_logprobs=[[None, 3, "a"], [-1.0, 4, "b"], [-0.2, 5, "c"]]))
+    assert later.prompt_logprobs is None  # once, on the first delta

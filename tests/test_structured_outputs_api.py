@@ -68,7 +68,7 @@ def test_each_constraint_reaches_the_engine(tiny_model_dir, body, kind, value, r
     ({"guided_regex": "[a-"}, "structured_outputs", "does not compile"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
       "properties": {"a": {"$ref": "#/$defs/missing"}}}}}}, "response_format", "does not compile"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available when `stream` is true"),
     ({"return_token_ids": True}, "return_token_ids", "not supported"),
     ({"min_tokens": 5}, "min_tokens", "not supported"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "not supported"),

@@ -85,12 +85,13 @@ def test_every_adapter_becomes_a_lora(model_path):
 def test_every_sampling_param_is_mapped():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=20, min_p=0.1, repetition_penalty=1.1,
                             presence_penalty=0.2, frequency_penalty=0.3, stop=["x"], stop_token_ids=[5],
-                            ignore_eos=True, n=3, seed=11, logprobs=2, skip_special_tokens=False,
+                            ignore_eos=True, n=3, seed=11, logprobs=2, prompt_logprobs=1, skip_special_tokens=False,
                             logit_bias={50256: -100.0, 7: 2.5})
     args = sampling_arguments(params, max_tokens=7)
     assert args == {"n": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1,
                     "presence_penalty": 0.2, "frequency_penalty": 0.3, "stop": ["x"], "stop_token_ids": [5],
-                    "ignore_eos": True, "seed": 11, "max_tokens": 7, "logprobs": 2, "skip_special_tokens": False,
+                    "ignore_eos": True, "seed": 11, "max_tokens": 7, "logprobs": 2, "prompt_logprobs": 1,
+                    "skip_special_tokens": False,
                     "logit_bias": {50256: -100.0, 7: 2.5}}
     assert sampling_arguments(SamplingParams(), max_tokens=7)["logit_bias"] is None
     # every field of lmserve's SamplingParams reaches vLLM (the JSON constraint under vLLM's name)

@@ -581,7 +581,7 @@ class ContinuousBatcher:
                 continue
             logp = torch.log_softmax(logits[i, first - start:last - start].float(), dim=-1)
             chosen = logp.gather(1, job.ids[i, first + 1:last + 1, None])[:, 0]
-            ranks = ((logp > chosen[:, None]).sum(-1) + 1).tolist()
+            ranks = (torch.gt(logp, chosen[:, None]).sum(-1, dtype=torch.int32) + 1).tolist()
             top = torch.topk(logp, min(k, logp.shape[-1])) if k else None
             top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
             for j, (lp, rank) in enumerate(zip(chosen.tolist(), ranks)):
