@@ -379,6 +379,8 @@ class EngineConfig(BaseModel):
     def _check_task(self) -> "EngineConfig":
         if self.task == "embed" and self.is_reward_model:
             raise ValueError(f"task: embed cannot be a reward model (stage {self.stage!r}); use stage: sft")
+        if self.adapters and self.serves_embeddings:
+            raise ValueError("adapter_name_or_path: LoRA adapters on an embedding model (task: embed) are not served")
         return self
 
     @model_validator(mode="after")

@@ -176,3 +176,21 @@ def check_dimensions(dimensions: int | None, embedding_size: int, model_config: 
     if listed and dimensions not in listed:
         raise ServingError.invalid_request(f"this model only supports Matryoshka dimensions {list(listed)}, got "
                                            f"{dimensions}", param="dimensions")
+
+
+def check_inputs(inputs: list[list[int]], max_len: int, vocab_size: int) -> None:
+    """Refuse inputs an engine cannot embed (the ingress checks the same first; engines check
+    again for callers without it).
+
+    Raises:
+        ServingError: INVALID_REQUEST (an input with no tokens, ids outside `[0, vocab_size)`),
+            CONTEXT_LENGTH_EXCEEDED (more than `max_len` tokens); each names `input` and its index.
+    """
+    for i, ids in enumerate(inputs):
+        if not ids:
+            raise ServingError.invalid_request(f"input[{i}] has no tokens", param="input")
+        if len(ids) > max_len:
+            raise ServingError.context_length_exceeded(
+                f"input[{i}] has {len(ids)} tokens; this model takes at most {max_len}", param="input")
+        if not all(0 <= t < vocab_size for t in ids):
+            raise ServingError.invalid_request(f"input[{i}]: token ids out of range [0, {vocab_size})", param="input")

@@ -112,6 +112,9 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str,
         # caller's; vLLM's periodic throughput log lines stay off.
         "disable_log_stats": True,
     }
+    if config.serves_embeddings:
+        # vLLM's pooling runner: it reads the pooling (modules.json, 1_Pooling, Normalize) itself
+        args["runner"] = "pooling"
     if served_model_name is not None:
         args["served_model_name"] = served_model_name
     if adapters:
@@ -209,7 +212,7 @@ class VLLMEngine(Engine):
     """
 
     capabilities = Capabilities(backend="vllm", logprobs=True, prompt_logprobs=True, lora=True, response_format=True,
-                                forced_tool_choice=True, images=True)
+                                forced_tool_choice=True, images=True, embedding=True)
 
     def __init__(self, config: EngineConfig, *, served_model_name: str | None = None,
                  stat_loggers: Sequence[Any] = ()):
@@ -365,6 +368,52 @@ class VLLMEngine(Engine):
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+
+    async def embed(self, inputs: list[list[int]], dimensions: int | None = None) -> list[list[float]]:
+        """Embeddings from vLLM's pooling runner (`engine_arguments` sets `runner: pooling` for an
+        embedding model): one `AsyncLLM.encode` per input with `PoolingParams(task="embed",
+        dimensions=...)`, all submitted at once so vLLM batches them, as vLLM's own
+        `/v1/embeddings` does. vLLM pools as the model declares it (its `Pooler.for_embed`:
+        sentence-transformers' pooling and Normalize, else last token + normalize for decoders)
+        and truncates to `dimensions` before normalizing.
+
+        Raises:
+            ServingError(NOT_SUPPORTED): the model is not served as an embedding model.
+            ServingError(INVALID_REQUEST, CONTEXT_LENGTH_EXCEEDED): `engines.embedding.check_inputs`,
+                `check_dimensions` (vLLM's rule), or vLLM's own refusal.
+            ServingError(UNAVAILABLE): the engine died.
+        """
+        import uuid
+
+        from vllm.exceptions import VLLMClientError
+        from vllm.pooling_params import PoolingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        from engines.embedding import check_dimensions, check_inputs
+
+        llm = self._require_llm()
+        if not self.config.serves_embeddings:
+            raise ServingError.not_supported("this model is not an embedding model (task: embed)", param="model")
+        model_config = llm.model_config
+        check_dimensions(dimensions, int(model_config.embedding_size), model_config.hf_config)
+        check_inputs(inputs, self.model_info().max_model_len, self._vocab_size)
+        request_id = f"embd-{uuid.uuid4().hex}"
+
+        async def one(i: int, ids: list[int]) -> list[float]:
+            last = None
+            stream = llm.encode({"prompt_token_ids": list(ids)}, PoolingParams(task="embed", dimensions=dimensions),
+                                f"{request_id}-{i}")
+            async with aclosing(stream):
+                async for out in stream:
+                    last = out
+            return last.outputs.data.float().cpu().tolist()
+
+        try:
+            return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(inputs))))
+        except (ValueError, VLLMClientError) as exc:  # vLLM's server answers both with 400
+            raise ServingError.invalid_request(str(exc), param=getattr(exc, "parameter", None)) from None
+        except EngineDeadError as exc:
+            raise ServingError.unavailable(f"vllm engine died: {exc}") from exc
 
     # ---- generation ------------------------------------------------------------------------
 

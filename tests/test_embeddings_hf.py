@@ -20,14 +20,22 @@ WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvw
          "the", "cat", "sat", "on", "mat", "dog", "hello", "world", "quick", "brown", "fox", "##s"]
 
 
+def bert_tokenizer():
+    """A WordPiece tokenizer over `WORDS` (lower-cased, `[CLS] ... [SEP]` around each text)."""
+    from transformers import BertTokenizer
+
+    tokenizer = BertTokenizer(vocab={word: i for i, word in enumerate(WORDS)})
+    assert tokenizer.encode("the cat") == [2, WORDS.index("the"), WORDS.index("cat"), 3]
+    return tokenizer
+
+
 def build_bert(out: Path, seed: int = 0) -> Path:
     """A 2-layer BERT (hidden 32) and its WordPiece tokenizer, random weights (fixed seed)."""
     import torch
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vocab.txt").write_text("\n".join(WORDS) + "\n")
-    BertTokenizerFast(vocab_file=str(out / "vocab.txt")).save_pretrained(out)
+    bert_tokenizer().save_pretrained(out)
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=64)

@@ -201,5 +201,17 @@ def test_task_is_inferred_from_the_files_and_checked_at_config_time(tiny_model_d
         EngineConfig.from_dict({"task": "classify"})
     with pytest.raises(ConfigError, match="reward model"):
         EngineConfig.from_dict({"task": "embed", "stage": "rm"})
+    with pytest.raises(ConfigError, match="LoRA adapters on an embedding model"):
+        EngineConfig.from_dict({"task": "embed", "adapter_name_or_path": "saves/lora"})
     with pytest.raises(ConfigError, match=r"models\[0\]: an embedding model .* sglang backend cannot serve"):
         parse_args({"models": [{"model_id": "e", "task": "embed", "infer_backend": "sglang"}]})
+    _, configs = parse_args({"models": [{"model_id": "e", "task": "embed", "infer_backend": "vllm"}]})
+    assert configs["e"].serves_embeddings
+
+
+def test_the_vllm_backend_runs_an_embedding_model_on_its_pooling_runner(tmp_path):
+    from engines.config import EngineConfig
+    from engines.vllm import engine_arguments
+
+    assert engine_arguments(EngineConfig(task="embed", infer_backend="vllm"), tmp_path, "cpu")["runner"] == "pooling"
+    assert "runner" not in engine_arguments(EngineConfig(infer_backend="vllm"), tmp_path, "cpu")

@@ -18,8 +18,8 @@ from typing import Any
 
 from engines.base import ModelInfo
 from engines.config import EngineConfig
-from engines.embedding import PoolingSpec, check_dimensions, embedding_context_length, read_pooling
-from engines.errors import ModelLoadError, ServingError
+from engines.embedding import PoolingSpec, check_dimensions, check_inputs, embedding_context_length, read_pooling
+from engines.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +97,7 @@ class EmbeddingModel:
         import torch
 
         check_dimensions(dimensions, self.embedding_size, self.model_config)
-        for i, ids in enumerate(inputs):
-            if not ids:
-                raise ServingError.invalid_request(f"input[{i}] has no tokens", param="input")
-            if len(ids) > self.info.max_model_len:
-                raise ServingError.context_length_exceeded(
-                    f"input[{i}] has {len(ids)} tokens; this model takes at most {self.info.max_model_len}",
-                    param="input")
-            if not all(0 <= t < self.vocab_size for t in ids):
-                raise ServingError.invalid_request(f"input[{i}]: token ids out of range [0, {self.vocab_size})",
-                                                   param="input")
+        check_inputs(inputs, self.info.max_model_len, self.vocab_size)
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
         vectors: list[list[float] | None] = [None] * len(inputs)
         device = self.model.device
