@@ -130,6 +130,9 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(tiny_model_
     assert lp.token_logprobs[:3] == [None, pytest.approx(-0.1), pytest.approx(-0.2)]
     assert lp.top_logprobs[0] is None and lp.top_logprobs[1] == {f"<{ids[1]}>": pytest.approx(-0.1)}
     assert lp.text_offset[:4] == [0, 1, 1 + len(f"<{ids[1]}>"), len(prompt)]  # the completion's from the text
+    # as vLLM, the prompt logprobs that echo asked for are on the choice in vLLM's shape too
+    assert choice.model_extra["prompt_logprobs"][0] is None
+    assert list(choice.model_extra["prompt_logprobs"][1]) == [str(ids[1])]
     streamed = [c.choices[0] for c in chunks if c.choices]
     assert "".join(c.text for c in streamed) == choice.text
     assert streamed[0].text.startswith(prompt)

@@ -175,8 +175,9 @@ class CompletionServing(OpenAIServing):
         return CompletionChoice(
             index=(prompt.index or 0) * body.n + i, text=prompt.text + text if body.echo else text,
             finish_reason=finish, stop_reason=stop_reason, logprobs=choice_logprobs,
-            prompt_logprobs=(vllm_prompt_logprobs(full.prompt_logprobs, body.prompt_logprobs)
-                             if body.prompt_logprobs is not None else None))
+            # vLLM's choice carries every prompt logprob it computed, `echo` + `logprobs`'s too
+            prompt_logprobs=(vllm_prompt_logprobs(full.prompt_logprobs, body.num_prompt_logprobs())
+                             if body.num_prompt_logprobs() is not None else None))
 
 
 class _Echo:
