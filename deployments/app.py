@@ -121,7 +121,7 @@ def parse_args(args: dict[str, Any]) -> tuple[AppArgs, dict[str, EngineConfig]]:
     try:
         app_args = AppArgs.model_validate(args or {})
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, what="application args")) from None
+        raise ConfigError(format_validation_error(exc, what="application args", model=AppArgs)) from None
     configs: dict[str, EngineConfig] = {}
     for i, entry in enumerate(app_args.models):
         config = entry.engine_config(source=f"models[{i}]")

@@ -575,10 +575,46 @@ def _flat_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     return loc
 
 
-def format_validation_error(exc: ValidationError, source: str | None = None, what: str = "engine config") -> str:
+def _model_at(model: type[BaseModel], path: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The pydantic model that holds the fields at `path` inside `model` (list indexes and dict
+    keys walked through); None where the path leaves pydantic models."""
+    import typing
+
+    def inner(annotation: Any) -> type[BaseModel] | None:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return annotation
+        return next((m for arg in typing.get_args(annotation) if (m := inner(arg)) is not None), None)
+
+    for part in path:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        found = inner(field.annotation) if field is not None else None
+        if found is None:
+            return None
+        model = found
+    return model
+
+
+def did_you_mean(name: str, known: Any) -> str:
+    """` (did you mean 'x'?)` for the closest of `known` names to a misspelt `name` (difflib's
+    ratio at least 0.75), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def format_validation_error(exc: ValidationError, source: str | None = None, what: str = "engine config",
+                            model: type[BaseModel] | None = None) -> str:
     """One line: `source: invalid <what>: ` and one part per pydantic error, each naming its field
     (a path such as `models[0].deployment.num_replicas`; `EngineConfig`'s backend fields by their
-    flat LLaMA-Factory names, `vllm_maxlen` rather than `vllm.maxlen`)."""
+    flat LLaMA-Factory names, `vllm_maxlen` rather than `vllm.maxlen`). An unknown field gets a
+    "did you mean" with the closest field of `model` (the validated class; `EngineConfig` when
+    it is the one that failed) at its place.
+    """
+    if model is None and exc.title == EngineConfig.__name__:
+        model = EngineConfig
     lines = []
     for err in exc.errors():
         loc = _flat_loc(err["loc"]) if exc.title == EngineConfig.__name__ else err["loc"]
@@ -586,7 +622,10 @@ def format_validation_error(exc: ValidationError, source: str | None = None, wha
         if not field:  # a check across fields: its message names them
             lines.append(err["msg"].removeprefix("Value error, "))
         elif err["type"] == "extra_forbidden":
-            lines.append(f"unknown field {field!r}")
+            holder = _model_at(model, loc[:-1]) if model is not None else None
+            known = (flat_fields() if holder is EngineConfig else
+                     [f.alias or n for n, f in holder.model_fields.items()] if holder is not None else [])
+            lines.append(f"unknown field {field!r}{did_you_mean(str(loc[-1]), known)}")
         else:
             lines.append(f"field {field!r}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
     prefix = f"{source}: " if source else ""

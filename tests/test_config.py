@@ -67,6 +67,23 @@ def test_serve_config_parses_and_builds_options():
     assert opts["max_ongoing_requests"] >= 1
 
 
+def test_an_unknown_field_says_which_field_was_meant():
+    cases = [({"model_name_or_path": "x", "adapter_name_or_pth": "a"}, "'adapter_name_or_path'"),
+             ({"model_name_or_path": "x", "vllm_maxlenn": 4}, "'vllm_maxlen'"),  # a flat backend field
+             ({"model_name_or_path": "x", "temprature": 0.1}, "'temperature'")]
+    for entry, meant in cases:
+        with pytest.raises(ConfigError, match=f"did you mean {meant}"):
+            EngineConfig.from_dict(entry)
+    with pytest.raises(ConfigError) as info:  # nothing close: no guess
+        EngineConfig.from_dict({"model_name_or_path": "x", "zzzz_qqqq": 1})
+    assert "did you mean" not in str(info.value)
+    # the application's own args (a field of AppArgs), and a model entry in them
+    with pytest.raises(ConfigError, match="unknown field 'request_timeout' .did you mean 'request_timeout_s'"):
+        parse_args({"models": [{"model_name_or_path": "smollm2"}], "request_timeout": 5})
+    with pytest.raises(ConfigError, match=r"models\[0\].*'infer_backnd' .did you mean 'infer_backend'"):
+        parse_args({"models": [{"model_name_or_path": "smollm2", "infer_backnd": "vllm"}]})
+
+
 def test_app_args_errors_name_the_entry_and_field():
     with pytest.raises(ConfigError, match=r"models\[0\].*unknown field 'temprature'"):
         parse_args({"models": [{"model_name_or_path": "smollm2", "temprature": 0.1}]})

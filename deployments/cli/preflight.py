@@ -108,7 +108,8 @@ def _serve_preflight(path: str, doc: dict) -> Preflight:
     try:
         config = ServeDeploySchema.model_validate(doc)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source=path, what="Ray Serve config")) from None
+        raise ConfigError(format_validation_error(exc, source=path, what="Ray Serve config",
+                                                  model=ServeDeploySchema)) from None
     if config.target_capacity is not None:
         raise ConfigError(f"{path}: `target_capacity`: applied only by Serve's controller (Ray's "
                           f"`serve run`/`serve deploy`), not by `lmserve serve`")
