@@ -141,11 +141,13 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
     port = free_port()
     # No ports set: beside the test session's cluster, `lmserve api` must pick its own Serve
     # ports (a shared fallback proxy port once answered this request with the session's 401).
-    env = {**os.environ, "API_PORT": str(port), "API_HOST": "127.0.0.1", "API_KEY": "cli-key",
+    # --host/--port win over API_HOST/API_PORT (the variables name an address nothing answers on)
+    env = {**os.environ, "API_PORT": str(free_port()), "API_HOST": "0.0.0.0", "API_KEY": "cli-key",
            "API_MODEL_NAME": "my-sft"}
     log = lf_config.parent / "api.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(LMSERVE + ["api", str(lf_config), "do_sample=false"], env=env,
+        proc = subprocess.Popen(LMSERVE + ["api", str(lf_config), "--host", "127.0.0.1", "--port", str(port),
+                                           "do_sample=false"], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="cli-key", max_retries=0, timeout=60)
@@ -532,3 +534,43 @@ def test_check_leaves_a_model_that_does_not_load_to_its_replica(tmp_path):
     proc = subprocess.run(LMSERVE + ["check", str(config)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode == 0, proc.stderr
+
+
+def test_serve_host_and_port_override_the_config_and_bad_ports_are_refused(tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.cli.main import main, with_address
+
+    root = Path(__file__).resolve().parent.parent
+    config = ServeDeploySchema.model_validate(yaml.safe_load((root / "serve_config.yaml").read_text()))
+    moved = with_address(config, "127.0.0.1", 8123)
+    assert (moved.http_options.host, moved.http_options.port) == ("127.0.0.1", 8123)
+    assert with_address(config, None, 9001).http_options.host == config.http_options.host
+    assert with_address(config, None, None) is config
+    for command in (["serve"], ["api", "x.yaml"]):
+        with pytest.raises(SystemExit) as info:
+            main([*command, "--port", "70000"])
+        assert info.value.code == 2
+
+
+def test_an_open_api_beyond_this_machine_is_warned_about(monkeypatch, tmp_path):
+    from deployments.cli.main import open_api_warning
+    from deployments.settings import settings
+
+    for name in ("API_KEY", "API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    settings.cache_clear()
+    try:
+        warning = open_api_warning("0.0.0.0", 8000, [("lmserve", {}), ("keyed", {"api_keys": ["k"]})])
+        assert warning is not None and "'lmserve' takes no API key" in warning and "'keyed'" not in warning
+        assert "0.0.0.0:8000" in warning and "--host" in warning
+        for host in ("127.0.0.1", "::1", "localhost"):
+            assert open_api_warning(host, 8000, [("lmserve", {})]) is None
+        key_file = tmp_path / "keys"
+        key_file.write_text("k1\n")
+        assert open_api_warning("0.0.0.0", 8000, [("lmserve", {"api_key_file": str(key_file)})]) is None
+        monkeypatch.setenv("API_KEY", "k")
+        settings.cache_clear()
+        assert open_api_warning("0.0.0.0", 8000, [("lmserve", {})]) is None
+    finally:
+        settings.cache_clear()

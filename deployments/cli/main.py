@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from deployments.cluster.env import (PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env,
                                      apply_ray_loopback_env, move_api_key_to_file)
@@ -79,12 +80,15 @@ def _api(args: argparse.Namespace) -> int:
 
     checked = preflight(args.config, args.overrides, kind="api")
     config, model_id = checked.engine_config, checked.model_id
-    host, port = settings().api_host, settings().api_port
+    host = args.host if args.host is not None else settings().api_host
+    port = args.port if args.port is not None else settings().api_port
     _isolate_a_new_local_cluster(port)
     logs = _start_ray("api", args.verbose)
     serve.start(http_options={"host": host, "port": port})
     print(f"lmserve: serving {config.model_name_or_path!r} as model {describe_served_models(model_id, config)} "
           f"({config.infer_backend}) on http://{host}:{port}/v1", file=sys.stderr)
+    if (warning := open_api_warning(host, port, [("lmserve", {})])) is not None:
+        print(warning, file=sys.stderr)
     stop = _drain_on_signals()
     serve.run_many(checked.targets, wait_for_applications_running=False)
     return _run_until_signalled(["lmserve"], stop, ready=f"model {model_id!r} on http://{host}:{port}/v1", logs=logs)
@@ -160,6 +164,48 @@ def _batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def open_api_warning(host: str, port: int, applications: list[tuple[str, dict]]) -> str | None:
+    """A warning line when the HTTP API listens beyond this machine (`host` not a loopback
+    address) and an application of `applications` ((name, args) pairs) takes no API key: none
+    in its `args`, its key file, `$API_KEY_FILE` or `$API_KEY` (the ingress's order,
+    `IngressSettings.resolve_api_keys`); None otherwise. A key file that cannot be read is
+    reported where the ingress reads it, not here."""
+    import ipaddress
+
+    from deployments.settings import IngressSettings
+
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        if host == "localhost":
+            return None
+    open_apps = []
+    for name, args in applications:
+        given = {k: args[k] for k in ("api_keys", "api_key_file") if (args or {}).get(k) is not None}
+        try:
+            keys = IngressSettings.model_validate(given).resolve_api_keys()
+        except ValueError:
+            continue
+        if not keys:
+            open_apps.append(name)
+    if not open_apps:
+        return None
+    return (f"lmserve: warning: {', '.join(map(repr, open_apps))} takes no API key and the API listens on "
+            f"{host}:{port}, beyond this machine: anyone who reaches it can use it. Set API_KEY (or args.api_keys, "
+            "an API key file), or listen on 127.0.0.1 (--host)")
+
+
+def with_address(serve_config: Any, host: str | None, port: int | None) -> Any:
+    """`serve_config` (a `ServeDeploySchema`) with `http_options.host`/`port` replaced where
+    given (`lmserve serve --host/--port`), the file left as it is (it stays equal to the
+    manifest's `serveConfigV2`)."""
+    update = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    if not update:
+        return serve_config
+    return serve_config.model_copy(update={"http_options": serve_config.http_options.model_copy(update=update)})
+
+
 def _serve(args: argparse.Namespace) -> int:
     """`serve run CONFIG` with a graceful drain: on SIGTERM or Ctrl-C the applications are
     deleted first, which lets every replica finish its in-flight requests (up to its
@@ -191,7 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ray.serve.config import ProxyLocation, gRPCOptions
 
     checked = preflight(args.config, kind="serve")
-    config = checked.serve_config
+    config = with_address(checked.serve_config, args.host, args.port)
     _isolate_a_new_local_cluster(config.http_options.port)
     logs = _start_ray("serve", args.verbose, namespace="serve", runtime_env=checked.runtime_env)
     serve.start(
@@ -204,6 +250,10 @@ def _serve(args: argparse.Namespace) -> int:
     stop = _drain_on_signals()
     serve.run_many(checked.targets, wait_for_applications_running=False)
     print(f"lmserve: deployed {args.config}; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
+    warning = open_api_warning(config.http_options.host, config.http_options.port,
+                               [(app.name, app.args or {}) for app in config.applications])
+    if warning is not None:
+        print(warning, file=sys.stderr)
     base = f"http://{config.http_options.host}:{config.http_options.port}"
     routes = []
     for target in checked.targets:
@@ -392,6 +442,18 @@ VERBOSE_HELP = ("print Ray's own messages and the workers' output here too (by d
                 "the ready line names)")
 
 
+def _address_arguments(parser: argparse.ArgumentParser, host_default: str, port_default: str) -> None:
+    parser.add_argument("--host", help=f"the address the HTTP API listens on (default: {host_default})")
+    parser.add_argument("--port", type=_port, help=f"the HTTP API's port (default: {port_default})")
+
+
+def _port(value: str) -> int:
+    port = int(value) if value.isdigit() else -1
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port (1-65535)")
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmserve",
                                      description="Serve LLMs on Ray Serve with an OpenAI-compatible API.")
@@ -404,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
         if name == "api":
             p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+            _address_arguments(p, "API_HOST (0.0.0.0)", "API_PORT (8000)")
         p.set_defaults(func=func)
     p = sub.add_parser("batch", help="generate predictions for a dataset on Ray Data (alpaca/sharegpt JSON/JSONL)")
     p.add_argument("config", help="LLaMA-Factory inference YAML")
@@ -419,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_batch)
     p = sub.add_parser("serve", help="run a Ray Serve config (default serve_config.yaml)")
     p.add_argument("config", nargs="?", default=settings().config)
+    _address_arguments(p, "the config's http_options.host", "the config's http_options.port")
     p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=_serve)
     p = sub.add_parser("download", help="fetch and convert a model into $LMSERVE_HOME (default: smollm2)")
