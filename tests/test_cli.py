@@ -574,3 +574,13 @@ def test_an_open_api_beyond_this_machine_is_warned_about(monkeypatch, tmp_path):
         assert open_api_warning("0.0.0.0", 8000, [("lmserve", {})]) is None
     finally:
         settings.cache_clear()
+
+
+def test_a_replica_still_starting_is_not_reported_as_waiting_for_resources():
+    from deployments.cli.startup import fits_free_resources
+
+    free = {"CPU": 2.0, "memory": 1e9}
+    # the ingress replica's worker may take seconds to start on a loaded machine (PENDING_CREATION)
+    assert fits_free_resources({"CPU": 1.0}, free) and fits_free_resources({}, free)
+    assert fits_free_resources({"CPU": 0.0, "GPU": 0.0}, free)
+    assert not fits_free_resources({"CPU": 64.0}, free) and not fits_free_resources({"GPU": 1.0}, free)

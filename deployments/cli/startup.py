@@ -81,15 +81,28 @@ def _resources(values: dict[str, float], names: set[str]) -> dict[str, float]:
             for name, value in sorted(values.items()) if name in names}
 
 
+def _required(actor: Any) -> dict[str, float]:
+    """What a replica actor asks for, placement-group resources under their base names."""
+    required: dict[str, float] = {}
+    for name, value in (actor.required_resources or {}).items():
+        base = _GROUP_SUFFIX.sub("", name)
+        required[base] = max(required.get(base, 0), value)
+    return required
+
+
+def fits_free_resources(required: dict[str, float], available: dict[str, float]) -> bool:
+    """Whether `required` fits what the cluster has free (`ray.available_resources()`, summed
+    over its nodes): an actor that fits is still starting (its worker process, its runtime env;
+    seconds on a loaded machine), not waiting for resources."""
+    return all(value <= available.get(name, 0) for name, value in required.items() if value > 0)
+
+
 def unschedulable_message(actor: Any, waited_s: float) -> str:
     """One line for a replica actor (`ray.util.state` `ActorState`) that Ray has not placed for
     `waited_s` seconds: its application and deployment, the resources it asks for, and what the
     cluster has in all and free now."""
     _, app, deployment = (actor.class_name or "::").split(":", 2)
-    required: dict[str, float] = {}
-    for name, value in (actor.required_resources or {}).items():
-        base = _GROUP_SUFFIX.sub("", name)
-        required[base] = max(required.get(base, 0), value)
+    required = _required(actor)
     import ray
 
     shown = set(required) | {"CPU", "GPU"}
@@ -147,10 +160,18 @@ class StartupWatcher(threading.Thread):
         except Exception:  # noqa: BLE001 - no state API (Ray without its dashboard): Serve's own status stays
             return None
         self._pending_since = {actor.actor_id: self._pending_since.get(actor.actor_id, now) for actor in pending}
+        available: dict[str, float] | None = None
         for actor in pending:
             waited = now - self._pending_since[actor.actor_id]
             if waited >= self.schedule_timeout_s:
-                return StartupOutcome(unschedulable_message(actor, waited))
+                if available is None:
+                    import ray
+
+                    available = ray.available_resources()
+                # PENDING_CREATION also covers a replica whose worker is still starting: only one
+                # that cannot fit what is free waits for resources
+                if not fits_free_resources(_required(actor), available):
+                    return StartupOutcome(unschedulable_message(actor, waited))
         return None
 
 
