@@ -14,7 +14,7 @@ import asyncio
 import copy
 import logging
 from contextlib import contextmanager
-from typing import AsyncIterator, Awaitable, Callable, Iterator, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 from fastapi import Request
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -344,15 +344,7 @@ class ModelRouter:
         Raises:
             ServingError: from the engine; OVERLOADED, UNAVAILABLE (Ray Serve), TIMEOUT.
         """
-        try:
-            with _ray_serve_errors():
-                result = await asyncio.wait_for(entry.client.score(texts, max_length), self.request_timeout_s)
-        except asyncio.TimeoutError:
-            raise ServingError(ErrorKind.TIMEOUT,
-                               f"scoring did not finish within {self.request_timeout_s:g} s") from None
-        if isinstance(result, ServingError):
-            raise result
-        return result
+        return await self._call_within_deadline(entry.client.score(texts, max_length), "scoring")
 
     async def embed(self, entry: ServedModel, inputs: list[list[int]], dimensions: int | None) -> list[list[float]]:
         """Embeddings of `inputs` (token ids) from an embedding model, within the request deadline.
@@ -360,12 +352,18 @@ class ModelRouter:
         Raises:
             ServingError: from the engine; OVERLOADED, UNAVAILABLE (Ray Serve), TIMEOUT.
         """
+        return await self._call_within_deadline(entry.client.embed(inputs, dimensions), "embedding")
+
+    async def _call_within_deadline(self, call: Awaitable[Any], what: str) -> Any:
+        """The result of a one-shot model call (`ReplicaClient`/`InProcessClient`), a
+        `ServingError` value from the model raised, Ray Serve's errors turned into lmserve's, and
+        TIMEOUT past `request_timeout_s` (`what` names the call in its message)."""
         try:
             with _ray_serve_errors():
-                result = await asyncio.wait_for(entry.client.embed(inputs, dimensions), self.request_timeout_s)
+                result = await asyncio.wait_for(call, self.request_timeout_s)
         except asyncio.TimeoutError:
             raise ServingError(ErrorKind.TIMEOUT,
-                               f"embedding did not finish within {self.request_timeout_s:g} s") from None
+                               f"{what} did not finish within {self.request_timeout_s:g} s") from None
         if isinstance(result, ServingError):
             raise result
         return result
