@@ -340,11 +340,13 @@ def test_second_cluster_ports_cover_every_fixed_serve_port():
     assert len(set(env.values())) == len(env)
 
 
-def test_a_new_cluster_takes_its_own_ports_only_when_another_holds_the_defaults(monkeypatch):
+def test_a_new_cluster_takes_its_own_ports_only_when_another_holds_the_defaults(monkeypatch, tmp_path):
     import socket
 
     from deployments.cluster import env as cluster_env
     from deployments.cluster.env import PortsInUseError, apply_own_serve_ports_if_taken
+
+    monkeypatch.setattr(cluster_env, "PORT_CLAIMS_DIR", tmp_path / "claims")
 
     # Stand-ins for Ray Serve's default ports, free now (the test session's cluster may hold the real ones).
     defaults = {name: free_port() for name in cluster_env.RAY_SERVE_DEFAULT_PORTS}
@@ -367,6 +369,44 @@ def test_a_new_cluster_takes_its_own_ports_only_when_another_holds_the_defaults(
             http.listen()
             with pytest.raises(PortsInUseError, match=str(http_port)):
                 apply_own_serve_ports_if_taken(http_port, {})
+
+
+def test_two_lmserve_starting_at_once_take_apart_ports_before_either_binds(monkeypatch, tmp_path):
+    """Issue 40 item 6: a second `lmserve api` started while the first was starting found Ray
+    Serve's default ports free (not yet bound) and both HAProxies bound 8404/9101. The first
+    process's claim now makes the second take a block of its own, and refuses its HTTP port."""
+    import json
+    import subprocess
+    import sys
+
+    from deployments.cluster import env as cluster_env
+    from deployments.cluster.env import PortsInUseError, apply_own_serve_ports_if_taken
+
+    claims = tmp_path / "claims"
+    monkeypatch.setattr(cluster_env, "PORT_CLAIMS_DIR", claims)
+    defaults = {name: free_port() for name in cluster_env.RAY_SERVE_DEFAULT_PORTS}  # free stand-ins
+    for kind in ("HTTP", "GRPC"):
+        defaults[f"RAY_SERVE_DIRECT_INGRESS_MAX_{kind}_PORT"] = defaults[f"RAY_SERVE_DIRECT_INGRESS_MIN_{kind}_PORT"]
+    monkeypatch.setattr(cluster_env, "RAY_SERVE_DEFAULT_PORTS", defaults)
+    first_http, second_http = free_port(), free_port()
+    assert apply_own_serve_ports_if_taken(first_http, {}) == {}  # the first: Ray's defaults, claimed
+    mine = claims / f"{os.getpid()}.json"
+    assert first_http in json.loads(mine.read_text())
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # the claim as another live process (still starting its cluster) holds it
+        (claims / f"{other.pid}.json").write_text(mine.read_text())
+        mine.unlink()
+        environ: dict[str, str] = {}
+        added = apply_own_serve_ports_if_taken(second_http, environ)
+        assert added.keys() == defaults.keys() and environ == added
+        assert not {int(port) for port in added.values()} & set(json.loads((claims / f"{other.pid}.json").read_text()))
+        with pytest.raises(PortsInUseError, match=str(first_http)):
+            apply_own_serve_ports_if_taken(first_http, {})
+    finally:
+        other.kill()
+        other.wait()
+    assert apply_own_serve_ports_if_taken(first_http, {}) == {}  # its process gone: the claim is dropped
+    assert not (claims / f"{other.pid}.json").exists()
 
 
 def _serve_config_of(tmp_path, args: str) -> Path:

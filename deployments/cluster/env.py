@@ -12,13 +12,16 @@ replicas), so they only take effect when set before the cluster starts.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
+import json
 import os
 import shutil
 import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Collection, MutableMapping
+from typing import Collection, Iterator, MutableMapping
 
 from deployments.cluster.haproxy import HAPROXY_BINARY_ENV, launcher_path
 
@@ -87,25 +90,93 @@ class PortsInUseError(RuntimeError):
 def apply_own_serve_ports_if_taken(http_port: int,
                                    environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
     """Before this process starts a local Ray cluster: if another Serve cluster on this machine
-    holds Ray Serve's default ports (see `second_cluster_ports_env` for why two clusters would
-    silently answer each other's requests), put a block of free ones into `environ`; return
-    what it set. Nothing is set (and nothing checked) when `environ` sets any of them already
-    (the operator's choice), nor when the ports are free.
+    holds Ray Serve's default ports, or another lmserve process that is starting one has claimed
+    them (`claim_ports`), put a block of free ones into `environ` (see `second_cluster_ports_env`
+    for why two clusters would silently answer each other's requests); return what it set. The
+    ports this cluster will bind (`http_port` and the Serve ports, defaults or not) are claimed
+    for this process's lifetime, so an lmserve started a moment later, before this cluster binds
+    them, does not pick them too. Nothing is set, checked or claimed when `environ` sets any of
+    the Serve ports already (the operator's choice).
 
     Raises:
-        PortsInUseError: `http_port` is held by another process (with SO_REUSEPORT, two
-            HAProxies would share it), or no free block was found.
+        PortsInUseError: `http_port` is held or claimed by another process (with SO_REUSEPORT,
+            two HAProxies would share it), or no free block was found.
     """
     if any(name in environ for name in RAY_SERVE_DEFAULT_PORTS):
         return {}
-    if not _port_is_free(http_port):
-        raise PortsInUseError(f"port {http_port} is in use by another process")
-    first_ports = [port for name, port in RAY_SERVE_DEFAULT_PORTS.items() if "_MAX_" not in name]
-    if all(_port_is_free(port) for port in first_ports):
-        return {}
-    added = second_cluster_ports_env(avoid=[http_port])
+    with _port_claims_lock() as claimed:
+        if http_port in claimed or not _port_is_free(http_port):
+            raise PortsInUseError(f"port {http_port} is in use by another process")
+        first_ports = [port for name, port in RAY_SERVE_DEFAULT_PORTS.items() if "_MAX_" not in name]
+        if all(_port_is_free(port) and port not in claimed for port in first_ports):
+            added: dict[str, str] = {}
+            ports = _serve_ports({name: str(port) for name, port in RAY_SERVE_DEFAULT_PORTS.items()})
+        else:
+            added = second_cluster_ports_env(avoid=[http_port, *claimed])
+            ports = _serve_ports(added)
+        claim_ports([http_port, *ports])
     environ.update(added)
     return added
+
+
+# Ports that lmserve processes on this machine are about to bind: one JSON file per process
+# (`<pid>.json`, a list of ports), read and written under a file lock. A file whose process has
+# exited is ignored and removed.
+PORT_CLAIMS_DIR = Path(tempfile.gettempdir()) / "lmserve-port-claims"
+
+
+@contextlib.contextmanager
+def _port_claims_lock() -> Iterator[set[int]]:
+    """Hold the claims' lock; yield the ports that other live processes claim."""
+    PORT_CLAIMS_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(PORT_CLAIMS_DIR / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            claimed: set[int] = set()
+            for path in PORT_CLAIMS_DIR.glob("*.json"):
+                pid = int(path.stem) if path.stem.isdigit() else -1
+                if pid == os.getpid():
+                    continue
+                if not _process_alive(pid):
+                    path.unlink(missing_ok=True)
+                    continue
+                try:
+                    claimed.update(int(port) for port in json.loads(path.read_text()))
+                except (OSError, ValueError, TypeError):
+                    continue
+            yield claimed
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def claim_ports(ports: Collection[int]) -> Path:
+    """Record `ports` as this process's (replacing its earlier claim) until it exits; call it
+    under `_port_claims_lock`."""
+    path = PORT_CLAIMS_DIR / f"{os.getpid()}.json"
+    path.write_text(json.dumps(sorted(set(ports))))
+    atexit.register(path.unlink, missing_ok=True)
+    return path
+
+
+def _serve_ports(env: dict[str, str]) -> set[int]:
+    """Every port named by a `RAY_SERVE_DEFAULT_PORTS`-shaped mapping, its MIN..MAX ranges whole."""
+    ports = {int(port) for port in env.values()}
+    for kind in ("HTTP", "GRPC"):
+        low, high = (int(env[f"RAY_SERVE_DIRECT_INGRESS_{end}_{kind}_PORT"]) for end in ("MIN", "MAX"))
+        ports.update(range(low, high + 1))
+    return ports
+
+
+def _process_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def second_cluster_ports_env(avoid: Collection[int] = ()) -> dict[str, str]:
