@@ -427,6 +427,37 @@ def test_a_missing_vllm_is_named_with_its_install_command_not_reported_as_a_miss
     check_backend_installed("m", EngineConfig())  # huggingface: installed with lmserve
 
 
+def test_check_api_and_serve_refuse_replicas_this_machine_cannot_hold(tmp_path):
+    """Issue 40 item 3: the operations guide's two-model example asked for more CPUs than the
+    machine had; `check` passed it and `serve` failed after a 60 s wait. Where a local cluster
+    would start, the replicas' starting ask is compared with what Ray counts here."""
+    from deployments.cli.preflight import local_cluster_resources
+
+    cpus = local_cluster_resources()["CPU"]
+    config = _serve_config_of(tmp_path, "models: [{model_id: m, deployment: {num_replicas: 2, "
+                                        f"ray_actor_options: {{num_cpus: {cpus:g}}}}}}}]")
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    for command in ("check", "serve"):
+        proc = subprocess.run(LMSERVE + [command, str(config)], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip() == (
+            f"lmserve: {config}: the replicas it starts ask for {2 * cpus:g} CPU in all, and this machine has "
+            f"{cpus:g} CPU for a local Ray cluster (a/ModelServer:m: 2 x {{CPU: {cpus:g}}}); lower "
+            "`num_replicas`/`min_replicas` or `ray_actor_options` in the models' `deployment`, or run it on a Ray "
+            "cluster that has them (RAY_ADDRESS)")
+    (tmp_path / "gpu").mkdir()
+    gpu = _serve_config_of(tmp_path / "gpu", "models: [{model_id: m, deployment: {ray_actor_options: {num_gpus: 1}}}]")
+    gpus = local_cluster_resources()["GPU"]
+    proc = subprocess.run(LMSERVE + ["check", str(gpu)], capture_output=True, text=True, timeout=120, env=env)
+    assert (proc.returncode == 2) == (gpus < 1), proc.stderr
+    if gpus < 1:
+        assert f"ask for 1 GPU in all, and this machine has {gpus:g} GPU" in proc.stderr
+    # On a cluster (RAY_ADDRESS), the cluster's resources decide: the start-up watcher reports.
+    proc = subprocess.run(LMSERVE + ["check", str(config)], capture_output=True, text=True, timeout=120,
+                          env={**env, "RAY_ADDRESS": "10.0.0.1:6379"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "a: m -> smollm2 (huggingface)", proc.stderr
+
+
 def _serve_config_of(tmp_path, args: str) -> Path:
     config = tmp_path / "serve_config.yaml"
     config.write_text("applications:\n  - name: a\n    route_prefix: /\n    import_path: deployments.app:build_app\n"

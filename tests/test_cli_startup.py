@@ -94,12 +94,14 @@ def test_serve_exits_when_its_application_fails_to_deploy(tmp_path, broken_model
 
 
 def test_a_replica_that_cannot_be_placed_is_reported_with_its_resources(tmp_path):
-    """A replica asking for more CPUs than the cluster has: reported after
-    LMSERVE_SCHEDULE_TIMEOUT_S with what it asks for and what the cluster has (requests used to
-    hang, with a warning only in the controller's log)."""
-    config = _serve_config(tmp_path, "smollm2", "{ray_actor_options: {num_cpus: 64}}")
+    """A replica asking for a resource no node has: reported after LMSERVE_SCHEDULE_TIMEOUT_S
+    with what it asks for and what the cluster has (requests used to hang, with a warning only in
+    the controller's log). More CPUs or GPUs than this machine has are refused before the cluster
+    starts (tests/test_cli.py); a custom resource is what only the running cluster can tell."""
+    config = _serve_config(tmp_path, "smollm2", "{ray_actor_options: {num_cpus: 1, resources: {tpu_slice: 1}}}")
     code, out = _run(["serve", str(config)], {"LMSERVE_SCHEDULE_TIMEOUT_S": "3"}, 240)
     assert code == 1, out[-3000:]
     failure = _lmserve_lines(out)[-1]
     assert "application 'broken': deployment 'ModelServer:m': a replica has waited" in failure
-    assert "it asks for {'CPU': 64}; the cluster has {'CPU': " in failure and " free (" in failure
+    assert "it asks for {'CPU': 1, " in failure and "'tpu_slice': 1}; the cluster has {'CPU': " in failure, failure
+    assert " free (" in failure

@@ -22,7 +22,7 @@ from typing import Any
 
 from deployments.cluster.env import (PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env,
                                      apply_ray_loopback_env, move_api_key_to_file)
-from deployments.cli.preflight import check_model_sources, preflight
+from deployments.cli.preflight import check_fits_this_machine, check_model_sources, preflight
 from deployments.settings import settings
 from engines.config import ConfigError, load_config_file
 
@@ -80,6 +80,8 @@ def _api(args: argparse.Namespace) -> int:
 
     checked = preflight(args.config, args.overrides, kind="api")
     config, model_id = checked.engine_config, checked.model_id
+    if _ray_init_starts_a_local_cluster():
+        check_fits_this_machine(checked, args.config)
     host = args.host if args.host is not None else settings().api_host
     port = args.port if args.port is not None else settings().api_port
     _isolate_a_new_local_cluster(port)
@@ -238,6 +240,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     checked = preflight(args.config, kind="serve")
     config = with_address(checked.serve_config, args.host, args.port)
+    if _ray_init_starts_a_local_cluster():
+        check_fits_this_machine(checked, args.config)
     _isolate_a_new_local_cluster(config.http_options.port)
     logs = _start_ray("serve", args.verbose, namespace="serve", runtime_env=checked.runtime_env)
     serve.start(
@@ -408,8 +412,13 @@ def _download(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     """Check a Ray Serve config, or a LLaMA-Factory inference YAML (a file without
     `applications`) with its `key=value` overrides, as `serve` and `api` check it before they
-    start (`preflight`); print one line per model."""
-    print("\n".join(preflight(args.config, args.overrides).models))
+    start (`preflight`), and, where they would start a local Ray cluster (no `RAY_ADDRESS`, no
+    `ray start` cluster), that its replicas fit this machine (`check_fits_this_machine`); print
+    one line per model."""
+    checked = preflight(args.config, args.overrides)
+    if _ray_init_starts_a_local_cluster():
+        check_fits_this_machine(checked, args.config)
+    print("\n".join(checked.models))
     return 0
 
 

@@ -409,3 +409,102 @@ def _hub_problem(repo_id: str, marker: str) -> str | None:
     except Exception as exc:  # noqa: BLE001 - offline, unknown or gated repository: all one answer
         return (f"not in the Hugging Face cache, and the hub cannot give it: {type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "))
+
+
+def starting_resources(targets: list[Any]) -> list[tuple[str, str, int, dict[str, float]]]:
+    """What the applications' replicas ask of Ray when they start: one row per deployment,
+    `(application, deployment, replicas, resources of one replica)`. Replicas at start are Ray
+    Serve's: `num_replicas`, or with autoscaling `initial_replicas` (else `min_replicas`); a
+    replica's resources are its placement group's bundles summed where it has one, else its
+    `ray_actor_options` (`num_cpus` 1 when unset, as Serve defaults it; `num_gpus`, `memory`,
+    custom `resources`). Read from the built `Application`s (`Deployment.ray_actor_options`,
+    `num_replicas`, and the deployment and replica configs Serve builds from them), walking the
+    applications bound into an ingress's arguments.
+    """
+    from ray.serve import Application
+
+    rows: list[tuple[str, str, int, dict[str, float]]] = []
+    seen: set[int] = set()
+
+    def visit(app_name: str, application: Any) -> None:
+        deployment = application._bound_deployment
+        if id(deployment) in seen:
+            return
+        seen.add(id(deployment))
+        autoscaling = deployment._deployment_config.autoscaling_config
+        if autoscaling is not None:
+            replicas = autoscaling.initial_replicas if autoscaling.initial_replicas is not None \
+                else autoscaling.min_replicas
+        else:
+            replicas = deployment.num_replicas if isinstance(deployment.num_replicas, int) else 1
+        bundles = deployment._replica_config.placement_group_bundles
+        if bundles:
+            ask: dict[str, float] = {}
+            for bundle in bundles:
+                for name, value in bundle.items():
+                    ask[name] = ask.get(name, 0) + value
+        else:
+            options = deployment.ray_actor_options or {}
+            ask = {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0) or 0,
+                   "memory": options.get("memory", 0) or 0, **(options.get("resources") or {})}
+        rows.append((app_name, deployment.name, replicas, {k: v for k, v in ask.items() if v}))
+        arguments = list(deployment.init_args) + list(deployment.init_kwargs.values())
+        while arguments:
+            value = arguments.pop()
+            if isinstance(value, Application):
+                visit(app_name, value)
+            elif isinstance(value, dict):
+                arguments += list(value.values())
+            elif isinstance(value, (list, tuple)):
+                arguments += list(value)
+
+    for target in targets:
+        visit(target.name, target.target)
+    return rows
+
+
+def local_cluster_resources() -> dict[str, float]:
+    """The CPUs and GPUs a local Ray cluster started on this machine counts (Ray's own detection:
+    cgroup CPU quotas, `CUDA_VISIBLE_DEVICES`), unless `RAY_NUM_CPUS`/`RAY_NUM_GPUS`-style
+    overrides are given to `ray start` (not used by lmserve). Ray has no public call for it
+    before a cluster runs; these are the functions `ray.init()` itself calls (Ray 2.60)."""
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+        from ray._private.utils import get_num_cpus
+
+        return {"CPU": float(get_num_cpus()),
+                "GPU": float(get_accelerator_manager_for_resource("GPU").get_current_node_num_accelerators())}
+    except Exception:  # noqa: BLE001 - another Ray: the machine's own count, no GPU assumed
+        return {"CPU": float(os.cpu_count() or 1), "GPU": 0.0}
+
+
+def check_fits_this_machine(checked: Preflight, source: str) -> None:
+    """Check that the replicas the config starts with fit a local Ray cluster on this machine
+    (`starting_resources` against `local_cluster_resources`), CPUs and GPUs only: call it when
+    `lmserve` will start that cluster. Ray would otherwise leave the replicas pending and the
+    start-up watcher would name them after `LMSERVE_SCHEDULE_TIMEOUT_S` (60 s).
+
+    Raises:
+        ConfigError: one line: the file, what the replicas ask for in all and per deployment,
+            and what this machine has.
+    """
+    rows = starting_resources(checked.targets)
+    machine = local_cluster_resources()
+    total = {name: sum(replicas * ask.get(name, 0) for _, _, replicas, ask in rows) for name in ("CPU", "GPU")}
+    short = [name for name in ("CPU", "GPU") if total[name] > machine[name] + 1e-9]
+    if not short:
+        return
+
+    def number(value: float) -> str:
+        return f"{value:g}"
+
+    parts = []
+    for app, deployment, replicas, ask in rows:
+        shown = ", ".join(f"{k}: {number(v)}" for k, v in ask.items() if k in ("CPU", "GPU"))
+        if replicas and shown:
+            parts.append(f"{app}/{deployment}: {replicas} x {{{shown}}}")
+    raise ConfigError(
+        f"{source}: the replicas it starts ask for {', '.join(f'{number(total[k])} {k}' for k in short)} in all, "
+        f"and this machine has {', '.join(f'{number(machine[k])} {k}' for k in short)} for a local Ray cluster "
+        f"({'; '.join(parts)}); lower `num_replicas`/`min_replicas` or `ray_actor_options` in the models' "
+        f"`deployment`, or run it on a Ray cluster that has them (RAY_ADDRESS)")
