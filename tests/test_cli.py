@@ -28,8 +28,19 @@ def lf_config(tmp_path) -> Path:
 
 def test_help_lists_the_commands():
     out = subprocess.run(LMSERVE + ["--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("api", "chat", "serve", "download", "check"):
+    for command in ("api", "webchat", "chat", "serve", "download", "check"):
         assert command in out
+
+
+def test_webchat_listens_where_llamafactory_webchat_does(lf_config):
+    """`llamafactory-cli webchat` users type `lmserve webchat` (issue 40 item 4: it was `invalid
+    choice`): `api`'s server at gradio's address, GRADIO_SERVER_NAME/GRADIO_SERVER_PORT."""
+    out = subprocess.run(LMSERVE + ["webchat", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "GRADIO_SERVER_PORT (7860)" in out and "--port" in out
+    env = {**os.environ, "GRADIO_SERVER_PORT": "80000", "RAY_ADDRESS": ""}
+    proc = subprocess.run(LMSERVE + ["webchat", str(lf_config)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        "lmserve: GRADIO_SERVER_PORT: '80000' is not a TCP port (1-65535)", proc.stderr
 
 
 def test_overrides_are_typed():

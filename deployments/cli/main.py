@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,11 @@ def _api(args: argparse.Namespace) -> int:
     The config is checked first (`preflight`, as `lmserve check`); a cluster this starts runs in
     Ray Serve's high-throughput mode (`RAY_HIGH_THROUGHPUT_ENV`). Start-up is watched as
     `_run_until_signalled` says: a model that fails to load, or a replica that cannot be placed,
-    ends the command with its cause and exit status 1."""
+    ends the command with its cause and exit status 1.
+
+    `lmserve webchat` is the same server for `llamafactory-cli webchat` users: it listens where
+    LLaMA-Factory's Gradio page would (GRADIO_SERVER_NAME, GRADIO_SERVER_PORT: 0.0.0.0:7860) and
+    its ready line leads with the web chat page's address."""
     apply_ray_high_throughput_env()  # before Ray Serve's modules read their settings
     from ray import serve
 
@@ -82,8 +87,17 @@ def _api(args: argparse.Namespace) -> int:
     config, model_id = checked.engine_config, checked.model_id
     if _ray_init_starts_a_local_cluster():
         check_fits_this_machine(checked, args.config)
-    host = args.host if args.host is not None else settings().api_host
-    port = args.port if args.port is not None else settings().api_port
+    webchat = args.command == "webchat"
+    if webchat:  # llamafactory-cli webchat's address: gradio's GRADIO_SERVER_NAME / GRADIO_SERVER_PORT
+        host_default = os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0")
+        try:
+            port_default = _port(os.environ.get("GRADIO_SERVER_PORT", "7860"))
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"GRADIO_SERVER_PORT: {exc}") from None
+    else:
+        host_default, port_default = settings().api_host, settings().api_port
+    host = args.host if args.host is not None else host_default
+    port = args.port if args.port is not None else port_default
     _isolate_a_new_local_cluster(port)
     logs = _start_ray("api", args.verbose)
     serve.start(http_options={"host": host, "port": port})
@@ -93,7 +107,10 @@ def _api(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     stop = _drain_on_signals()
     serve.run_many(checked.targets, wait_for_applications_running=False)
-    return _run_until_signalled(["lmserve"], stop, ready=f"model {model_id!r} on http://{host}:{port}/v1", logs=logs)
+    ready = f"model {model_id!r} on http://{host}:{port}/v1"
+    if webchat:
+        ready = f"web chat on http://{'localhost' if host in ('0.0.0.0', '::', '[::]') else host}:{port}/, {ready}"
+    return _run_until_signalled(["lmserve"], stop, ready=ready, logs=logs)
 
 
 def _start_ray(command: str, verbose: bool, **init_args) -> str:
@@ -469,14 +486,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, argparse.ArgumentParser] = {}
     for name, func, text in (("api", _api, "serve one model from a LLaMA-Factory inference YAML (OpenAI API)"),
+                             ("webchat", _api, "serve one model with its web chat page (as `api`; "
+                                               "GRADIO_SERVER_NAME/GRADIO_SERVER_PORT, default 0.0.0.0:7860)"),
                              ("chat", _chat, "chat in the terminal with an in-process engine")):
         p = sub.add_parser(name, help=text)
         p.add_argument("config", help="LLaMA-Factory inference YAML, e.g. model_name_or_path: smollm2")
         p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
-        if name == "api":
+        if name in ("api", "webchat"):
             p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
-            _address_arguments(p, "API_HOST (0.0.0.0)", "API_PORT (8000)")
-        p.set_defaults(func=func)
+            if name == "api":
+                _address_arguments(p, "API_HOST (0.0.0.0)", "API_PORT (8000)")
+            else:
+                _address_arguments(p, "GRADIO_SERVER_NAME (0.0.0.0)", "GRADIO_SERVER_PORT (7860)")
+        p.set_defaults(func=func, command=name)
     p = sub.add_parser("batch", help="generate predictions for a dataset on Ray Data (alpaca/sharegpt JSON/JSONL)")
     p.add_argument("config", help="LLaMA-Factory inference YAML")
     p.add_argument("overrides", nargs="*", help="key=value overrides of config fields")
