@@ -130,7 +130,7 @@ def render() -> str:
     from deployments.app import AppArgs, ModelEntry
     from deployments.serve.deployment_defaults import AUTOSCALING_DEFAULTS, INGRESS_DEPLOYMENT_DEFAULTS
     from deployments.settings import IngressFields, Settings
-    from engines.config import _INERT_FIELDS, flat_fields
+    from engines.config import _INERT_FIELDS, _REFUSED_LF_FIELDS, flat_fields
     from engines.prompt.media import MediaSettings
 
     engine_fields = {name: f for name, f in flat_fields().items() if name != "extra_inert"}
@@ -204,7 +204,13 @@ def render() -> str:
         "LLaMA-Factory fields that do not change how a model is served (training, export and hub",
         "switches). They are accepted so that LLaMA-Factory YAMLs load unchanged; a value other than the",
         "default is logged as a warning:",
-        ", ".join(f"`{name}`" for name in _INERT_FIELDS) + ".",
+        ", ".join(f"`{name}`" for name in _INERT_FIELDS if name not in _REFUSED_LF_FIELDS) + ".",
+        "",
+        "### Refused when set",
+        "",
+        "LLaMA-Factory fields that would change the served model in a way lmserve does not build:",
+        "",
+        *(f"- `{name}`: {why}." for name, why in _REFUSED_LF_FIELDS.items()),
         "",
         "## Deployment options",
         "",

@@ -85,6 +85,15 @@ _INERT_FIELDS: dict[str, Any] = {
     "cutoff_len": 2048,
 }
 
+# LLaMA-Factory fields that change the served model but that lmserve does not build: a value
+# other than the default is refused, naming the field, rather than accepted and ignored.
+_REFUSED_LF_FIELDS: dict[str, str] = {
+    "quantization_bit": "on-the-fly quantization (LLaMA-Factory's bitsandbytes/HQQ/EETQ at load time) is not "
+                        "built in lmserve, and the model would load in full precision; serve a checkpoint "
+                        "quantized ahead of time (GPTQ, AWQ, FP8: the vllm and sglang backends load them) or "
+                        "leave quantization_bit unset",
+}
+
 # LLaMA-Factory's KTransformers *training* options (GPU-side LoRA experts, online conversion of
 # expert checkpoints). SGLang's kt-kernel serving has no counterpart: a value other than the
 # default is refused, naming the field, rather than silently dropped.
@@ -371,6 +380,8 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _warn_inert(self) -> "EngineConfig":
         for name, value in self.extra_inert.items():
+            if name in _REFUSED_LF_FIELDS and value != _INERT_FIELDS[name]:
+                raise ValueError(f"{name}={value!r}: {_REFUSED_LF_FIELDS[name]}")
             if value != _INERT_FIELDS[name]:
                 logger.warning("config field %r=%r has no effect in lmserve", name, value)
         return self
