@@ -4,6 +4,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -145,6 +146,10 @@ def test_batch_generates_spreads_resumes_and_refuses(tmp_path, model_dir):
     assert "Paris" in lines[0]["predict"] and "What is the capital of France?" in lines[0]["prompt"]
     assert "rows per worker: 2, 1" in first.stderr  # both workers generated: calls of 2 and 1 rows
     assert "3/3" in first.stderr  # the progress bar counted every row
+    # issue 40 item 5: Ray's token-auth notice, core_worker errors and worker logs went to the terminal
+    noise = [line for line in first.stderr.replace("\r", "\n").splitlines()
+             if line.strip() and not line.startswith("lmserve batch")]
+    assert not noise, noise
 
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--resume" in refused.stderr
@@ -154,6 +159,9 @@ def test_batch_generates_spreads_resumes_and_refuses(tmp_path, model_dir):
     resumed = subprocess.run(cmd + ["--resume"], check=True, capture_output=True, text=True, timeout=600)
     assert "dropped an incomplete last line" in resumed.stderr and "1 already in" in resumed.stderr
     assert [json.loads(line) for line in out.read_text().splitlines()] == lines
+    complete = subprocess.run(cmd + ["--resume"], check=True, capture_output=True, text=True, timeout=120)
+    assert complete.stderr.strip() == (f"lmserve batch: all 3 examples of {data} are in {out} already; "
+                                       "nothing to generate")  # was "0 calls ... on 0 workers"
 
 
 @pytest.mark.slow
@@ -185,3 +193,15 @@ def test_workers_the_cluster_cannot_place_end_the_run_with_the_resources(tmp_pat
     assert run.returncode == 0, run.stderr[-2000:]
     assert "the engine workers (1, 4096 CPUs and 0 GPUs each) did not all start within 5 s" in run.stdout
     assert "the cluster has" in run.stdout and "CPUs" in run.stdout
+
+
+def test_the_datasets_the_docs_name_are_shipped_and_read():
+    """Issue 40 item 5: the docs' `--dataset data/alpaca_en_demo.json` was not in the repository."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    named = {m for doc in (root / "docs").glob("*.md") for m in re.findall(r"--dataset (\S+)", doc.read_text())}
+    assert named, "no `lmserve batch --dataset` example in docs/"
+    for name in named | {"docs/examples/sharegpt_demo.jsonl"}:
+        examples = read_dataset(str(root / name))
+        assert examples and all(ex["messages"][-1]["role"] == "user" and ex["label"] for ex in examples), name

@@ -239,14 +239,17 @@ def _follow_progress(progress: Any, bar: Any, stop: threading.Event) -> None:
 
 def run_batch(config: EngineConfig, dataset: str, output: str, *, resume: bool = False, overwrite: bool = False,
               num_workers: int = 1, batch_size: int = 16, num_cpus_per_worker: float = 1,
-              num_gpus_per_worker: float = 0, start_timeout_s: float = ACTOR_START_TIMEOUT_S) -> int:
+              num_gpus_per_worker: float = 0, start_timeout_s: float = ACTOR_START_TIMEOUT_S,
+              start_ray: Callable[[], Any] | None = None) -> int:
     """Generate predictions for every example of `dataset` into `output` (JSONL); returns the
     number of lines written by this run.
 
     The rows are cut into calls by `plan_batches` and spread over `num_workers` engine actors
     (fewer when there are fewer calls), once all of them have started (within `start_timeout_s`
     seconds, each loading its model); a progress bar on stderr counts rows as they finish, and
-    the last line says how many rows each worker generated.
+    the last line says how many rows each worker generated. Ray is started with `start_ray`
+    (default `ray.init()`) where this process has not connected to it already, and only when
+    there are rows to generate.
 
     Raises:
         DatasetError: the dataset cannot be read, or the output to resume is not a predictions
@@ -274,13 +277,15 @@ def run_batch(config: EngineConfig, dataset: str, output: str, *, resume: bool =
     todo = [{"index": i, **ex} for i, ex in enumerate(examples) if i >= done]
     sizes = plan_batches(len(todo), num_workers, batch_size)
     workers = min(num_workers, len(sizes))
-    print(f"lmserve batch: {len(examples)} examples in {dataset}, {done} already in {output}, "
-          f"{len(todo)} to generate in {len(sizes)} calls of at most {max(sizes, default=0)} on {workers} workers",
-          file=sys.stderr)
     if not todo:
+        print(f"lmserve batch: all {len(examples)} examples of {dataset} are in {output} already; nothing to "
+              f"generate", file=sys.stderr)
         return 0
+    print(f"lmserve batch: {len(examples)} examples in {dataset}, {done} already in {output}, "
+          f"{len(todo)} to generate in {len(sizes)} calls of at most {max(sizes)} on {workers} workers",
+          file=sys.stderr)
     if not ray.is_initialized():
-        ray.init()
+        (start_ray or ray.init)()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # lines come out in dataset order
     # Dispatch only once every actor has loaded its model: the pool hands calls to the least busy

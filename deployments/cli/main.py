@@ -162,7 +162,8 @@ def _positive_int(text: str) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    """Offline generation over a dataset on Ray Data (like LLaMA-Factory's vllm_infer.py)."""
+    """Offline generation over a dataset on Ray Data (like LLaMA-Factory's vllm_infer.py). Ray's
+    own output goes to a log file unless `--verbose`, as for `api`/`serve` (`_start_ray`)."""
     from deployments.cli.batch import DatasetError, WorkerStartError, run_batch
 
     config = load_config_file(args.config, args.overrides)
@@ -173,7 +174,9 @@ def _batch(args: argparse.Namespace) -> int:
     try:
         run_batch(config, args.dataset, args.output, resume=args.resume, overwrite=args.overwrite,
                   num_workers=args.num_workers, batch_size=args.batch_size,
-                  num_cpus_per_worker=args.num_cpus, num_gpus_per_worker=args.num_gpus)
+                  num_cpus_per_worker=args.num_cpus, num_gpus_per_worker=args.num_gpus,
+                  start_ray=lambda: print(f"lmserve batch: logs: {_start_ray('batch', args.verbose)}",
+                                          file=sys.stderr))
     except (DatasetError, FileExistsError) as exc:
         print(f"lmserve batch: {exc}", file=sys.stderr)
         return 2
@@ -510,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=_positive_int, default=16, help="examples per actor call")
     p.add_argument("--num-cpus", type=float, default=1, help="CPUs per engine actor")
     p.add_argument("--num-gpus", type=float, default=0, help="GPUs per engine actor")
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=_batch)
     p = sub.add_parser("serve", help="run a Ray Serve config (default serve_config.yaml)")
     p.add_argument("config", nargs="?", default=settings().config)
