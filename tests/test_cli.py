@@ -508,7 +508,8 @@ def test_check_api_and_serve_refuse_what_would_fail_on_a_replica(tmp_path, comma
         entry = {"infer_backend": "sglang"}
         field, message = "infer_backend", "has no 'sglang' module; install SGLang: a virtual environment of its own"
     elif case == "sglang launch command missing":
-        entry = {"infer_backend": "sglang", "sglang_launch_command": [str(missing / "python"), "-m", "sglang.launch_server"]}
+        entry = {"infer_backend": "sglang",
+                 "sglang_launch_command": [str(missing / "python"), "-m", "sglang.launch_server"]}
         field, message = "infer_backend", f"runs '{missing / 'python'}', which does not exist; install SGLang"
     elif case == "kt fields missing":
         entry = {"infer_backend": "ktransformers", "kt_weight_path": "/w"}

@@ -107,6 +107,9 @@ def chat_terminal(tmp_path, model_dir):
 @pytest.mark.slow
 def test_typing_during_an_answer_and_ctrl_c(chat_terminal):
     term = chat_terminal
+    # said at once, not after the seconds of loading (issue 40 item 5: silent for 30-40 s)
+    term.read_until(r"lmserve chat: loading '\S+' \(huggingface\); Ctrl-C stops", timeout=30)
+    term.read_until(r"lmserve chat: loaded in \d+ s")
     term.read_until(re.escape(HELP))
     term.read_until("User: ")
     term.type("Tell me a long story about a dragon and a knight.\n")

@@ -193,10 +193,17 @@ def run_chat(config: Any) -> int:
     from engines import create_engine
     from engines.prompt.renderer import PromptRenderer
 
+    import time
+
     engine_thread = EngineThread()
     engine = create_engine(config)
     try:
+        # Loading takes from seconds to minutes; LLaMA-Factory's chat is silent meanwhile.
+        print(f"lmserve chat: loading {config.model_name_or_path!r} ({config.infer_backend}); Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        started = time.monotonic()
         engine_thread.call(engine.start())
+        print(f"lmserve chat: loaded in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         renderer = PromptRenderer.for_config(engine.model_path, config)
         return TerminalChat(engine, renderer, engine_thread).run()
     except KeyboardInterrupt:  # while loading
