@@ -9,7 +9,7 @@ import json
 
 import pytest
 from fake_engine import MAX_MODEL_LEN, FakeEngine, Reply, build_fake_app, post_scope, serve_fake
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engines.errors import ServingError
@@ -135,7 +135,7 @@ def test_a_long_prompt_that_fits_is_served(tiny_model_dir):
 def test_the_length_check_never_refuses_a_prompt_that_fits(tiny_renderer, text, context_length):
     tokens = len(tiny_renderer.tokenizer.encode(text, add_special_tokens=False))
     try:
-        tiny_renderer.check_prompt_chars(len(text), context_length)
+        tiny_renderer.check_prompt_chars(text, context_length)
     except ServingError as exc:
         assert exc.kind == "context_length_exceeded"
         assert tokens >= context_length, (tokens, context_length, exc.message)
@@ -156,6 +156,38 @@ def test_the_bound_per_token_is_the_longest_token_or_none(tiny_renderer):
     assert max_chars_per_token(PreTrainedTokenizerFast(tokenizer_object=fallback)) == len("<0x41>")
 
 
+def test_characters_a_byte_level_vocabulary_lacks_are_not_counted_as_tokens():
+    """SmolLM2's vocabulary lacks six ASCII control bytes ("\\x16" encodes to no token): a prompt
+    of them is 0 tokens, and the length check (found by the slow hypothesis test) refused it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from engines.prompt.renderer import dropped_chars
+
+    symbols = bytes_to_unicode()
+
+    def byte_level(missing: set[int]) -> PreTrainedTokenizerFast:
+        kept = [symbol for byte, symbol in sorted(symbols.items()) if byte not in missing] + ["aa", "aaaa"]
+        vocab = {symbol: i for i, symbol in enumerate(kept)}
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "a"), ("aa", "aa")]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+    assert dropped_chars(byte_level(set())) == frozenset()
+    lacking = byte_level({0x16, 0xF1})  # a lead byte missing drops no character: its continuation bytes remain
+    assert dropped_chars(lacking) == {"\x16"} and lacking.encode("\x16", add_special_tokens=False) == []
+    assert dropped_chars(byte_level({0x16, 0x85})) is None  # a continuation byte: no bound
+    from types import SimpleNamespace
+
+    check = PromptRenderer.check_prompt_chars
+    stub = SimpleNamespace(max_chars_per_token=max_chars_per_token(lacking), dropped_chars=dropped_chars(lacking))
+    check(stub, "\x16" * 50, 2)  # 0 tokens: fits
+    with pytest.raises(ServingError):
+        check(stub, "a" * 4 * 50, 2)  # at least 50 tokens
+
+
 def test_rendering_from_several_threads_gives_the_same_ids(tiny_renderer):
     """Long prompts are rendered in worker threads, several at once."""
     from concurrent.futures import ThreadPoolExecutor
@@ -173,6 +205,7 @@ def test_rendering_from_several_threads_gives_the_same_ids(tiny_renderer):
                                         "<|im_start|>", "<|im_end|>", "def f(x):\n    return x\n"]), max_size=400)
        | st.text(max_size=2000),
        context_length=st.integers(1, 40))
+@example(pieces="\x16", context_length=1)  # a byte the vocabulary lacks: no token
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 def test_the_length_check_never_refuses_a_prompt_that_fits_with_the_default_models_tokenizer(renderer, pieces,
                                                                                              context_length):
@@ -180,6 +213,6 @@ def test_the_length_check_never_refuses_a_prompt_that_fits_with_the_default_mode
     text = pieces if isinstance(pieces, str) else "".join(pieces)
     tokens = len(renderer.tokenizer.encode(text, add_special_tokens=False))
     try:
-        renderer.check_prompt_chars(len(text), context_length)
+        renderer.check_prompt_chars(text, context_length)
     except ServingError:
         assert tokens >= context_length, (tokens, context_length, len(text))

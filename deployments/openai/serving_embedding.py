@@ -84,7 +84,7 @@ class EmbeddingServing(OpenAIServing):
             where = f"input[{i}]" if many else "input"
             if isinstance(item, str):
                 # refused before tokenizing when it cannot fit (a text of `context` tokens fits)
-                renderer.check_prompt_chars(len(item), context + 1 if context is not None else None, param="input")
+                renderer.check_prompt_chars(item, context + 1 if context is not None else None, param="input")
                 ids = renderer.tokenizer.encode(item, add_special_tokens=add_special_tokens)
             else:
                 bad = [t for t in item if not 0 <= t < vocab]

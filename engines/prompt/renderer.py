@@ -27,7 +27,7 @@ import functools
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from engines.base import MediaInput, SamplingParams
 from engines.prompt.templates import TOKENIZER_TEMPLATE, ChatTemplate, TemplateError, get_template, parse_template
@@ -164,21 +164,32 @@ class PromptRenderer:
         vocabulary; safe to compute from several threads at once (the result is the same)."""
         return max_chars_per_token(self.tokenizer)
 
-    def check_prompt_chars(self, chars: int, context_length: int | None, param: str = "messages") -> None:
-        """Refuse, before tokenizing it, a text of `chars` characters that cannot tokenize to
-        fewer than `context_length` tokens (the engines' bound on a prompt: `resolve_max_tokens`):
-        every token stands for at most `max_chars_per_token` characters, so such a text has at
-        least `chars / max_chars_per_token` tokens. Never refuses a text that would fit; does
-        nothing where `context_length` is None or the tokenizer has no such bound.
+    @functools.cached_property
+    def dropped_chars(self) -> frozenset[str] | None:
+        """The characters this tokenizer encodes to no token at all (`dropped_chars` of the
+        tokenizer); computed once."""
+        return dropped_chars(self.tokenizer)
+
+    def check_prompt_chars(self, texts: str | Iterable[str], context_length: int | None,
+                           param: str = "messages") -> None:
+        """Refuse, before tokenizing them, texts that cannot tokenize to fewer than
+        `context_length` tokens (the engines' bound on a prompt: `resolve_max_tokens`): every
+        token stands for at most `max_chars_per_token` characters, so `c` characters that each
+        give some token (all but `dropped_chars`) are at least `c / max_chars_per_token` tokens.
+        Never refuses a text that would fit; does nothing where `context_length` is None or the
+        tokenizer has no such bound.
 
         Raises:
             ServingError(CONTEXT_LENGTH_EXCEEDED): naming `param`.
         """
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        chars = sum(map(len, texts))
         if context_length is None or chars < context_length:  # a token has at least one character
             return
-        per_token = self.max_chars_per_token
-        if per_token is None:
+        per_token, dropped = self.max_chars_per_token, self.dropped_chars
+        if per_token is None or dropped is None:
             return
+        chars -= sum(text.count(char) for text in texts for char in dropped)
         least = -(-chars // per_token)
         if least >= context_length:
             raise ServingError.context_length_exceeded(
@@ -232,7 +243,7 @@ class PromptRenderer:
             return self._render_with_template(messages, tools, add_generation_prompt, template_kwargs,
                                               context_length)
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=0)
-        self.check_prompt_chars(len(text), context_length)
+        self.check_prompt_chars(text, context_length)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _render_with_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -262,7 +273,7 @@ class PromptRenderer:
                 "(the template renders the assistant's turn after it)", param="messages")
         tools_text = (json.dumps([tool.get("function", tool) for tool in tools], ensure_ascii=False)
                       if tools else None)
-        self.check_prompt_chars(sum(len(t["content"]) for t in turns if t["role"] in ("user", "observation")),
+        self.check_prompt_chars([t["content"] for t in turns if t["role"] in ("user", "observation")],
                                 context_length)
         try:
             ids = template.encode_prompt(self.tokenizer, turns, system, tools_text)
@@ -295,7 +306,7 @@ class PromptRenderer:
                 f"images with LLaMA-Factory template {self.template.name!r} are not served; unset `template` to "
                 "render with the processor's chat template", param="messages")
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=len(images))
-        self.check_prompt_chars(len(text), context_length)  # image tokens only add to it
+        self.check_prompt_chars(text, context_length)  # image tokens only add to it
         fitted = [fit_pixels(image, self.image_max_pixels, self.image_min_pixels) for image in images]
         try:
             out = self.processor(text=text, images=fitted, add_special_tokens=False, return_tensors="pt")
@@ -354,7 +365,7 @@ class PromptRenderer:
                 raise ServingError.invalid_request(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
                                                    param="prompt")
             return list(prompt)
-        self.check_prompt_chars(len(prompt), context_length, param="prompt")
+        self.check_prompt_chars(prompt, context_length, param="prompt")
         ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         self._refuse_untrained(ids, "prompt")
         return ids
@@ -441,6 +452,29 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
         elif kind not in _LENGTH_KEEPING_NORMALIZERS:
             return None
     return factor * max(map(len, tokenizer.get_vocab()))
+
+
+def dropped_chars(tokenizer: Any) -> frozenset[str] | None:
+    """The characters `tokenizer` encodes to no token, for `max_chars_per_token`'s bound: a
+    byte-level BPE whose vocabulary lacks some byte's symbol, without an unknown token, drops that
+    byte (SmolLM2's lacks 6 ASCII control characters: "\\x04" encodes to []). Such ASCII characters
+    are returned. A character of several bytes keeps a token while its continuation bytes
+    (0x80-0xBF) have theirs, whatever its lead byte (SmolLM2 lacks 0xF1 and 0xF2, and 0xC0, 0xC1,
+    0xF5-0xFF, which UTF-8 never uses); where a continuation byte is missing, None (the bound is
+    not used). Tokenizers that are not byte-level give the empty set.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or "ByteLevel" not in _component_types(json.loads(backend.to_str()).get("pre_tokenizer")):
+        return frozenset()
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = tokenizer.get_vocab()
+    missing = [byte for byte, symbol in bytes_to_unicode().items() if symbol not in vocab]
+    if not missing:
+        return frozenset()
+    if any(0x80 <= byte <= 0xBF for byte in missing):
+        return None
+    return frozenset(chr(byte) for byte in missing if not backend.encode(chr(byte), add_special_tokens=False).ids)
 
 
 def _components(spec: dict | None) -> list[dict]:
