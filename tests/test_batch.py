@@ -165,6 +165,7 @@ def test_batch_generates_spreads_resumes_and_refuses(tmp_path, model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_worker_that_cannot_load_its_model_ends_the_run_with_its_error(tmp_path):
     model_dir = write_tiny_model_dir(tmp_path / "model")  # a config and a tokenizer, no weights
     data, config = tmp_path / "data.json", tmp_path / "infer.yaml"
@@ -180,6 +181,7 @@ def test_a_worker_that_cannot_load_its_model_ends_the_run_with_its_error(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_workers_the_cluster_cannot_place_end_the_run_with_the_resources(tmp_path, model_dir):
     data = tmp_path / "data.json"
     data.write_text(json.dumps(ALPACA))

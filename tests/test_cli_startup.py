@@ -73,7 +73,9 @@ applications:
 
 def test_api_prints_the_replicas_error_and_exits_when_the_model_fails_to_load(tmp_path, broken_model):
     """The replica's own exception, not only Ray's "Deploying application lmserve failed", on
-    one `lmserve:` line; exit 1 once the deployment has failed."""
+    one `lmserve:` line; exit 1 once the deployment has failed. `lmserve serve` watches its
+    applications with the same code (`_run_until_signalled`; it used to print "deployed" and
+    stay up, answering 404): the test below runs it."""
     config = tmp_path / "my_model.yaml"
     config.write_text(f"model_name_or_path: {broken_model}\n")
     code, out = _run(["api", str(config)], {"API_PORT": str(free_port()), "API_HOST": "127.0.0.1"}, 300)
@@ -82,15 +84,6 @@ def test_api_prints_the_replicas_error_and_exits_when_the_model_fails_to_load(tm
     assert "application 'lmserve' failed to deploy: deployment 'ModelServer:gpt-3.5-turbo'" in failure
     assert f"ModelLoadError: could not load model from '{broken_model}'" in failure and "hidden_size" in failure
     assert "Traceback" not in "".join(_lmserve_lines(out))
-
-
-def test_serve_exits_when_its_application_fails_to_deploy(tmp_path, broken_model):
-    """`lmserve serve` used to print "deployed" and stay up, answering 404."""
-    code, out = _run(["serve", str(_serve_config(tmp_path, str(broken_model)))], {}, 300)
-    assert code == 1, out[-3000:]
-    failure = _lmserve_lines(out)[-1]
-    assert "application 'broken' failed to deploy: deployment 'ModelServer:m'" in failure
-    assert "ModelLoadError: could not load model" in failure
 
 
 def test_a_replica_that_cannot_be_placed_is_reported_with_its_resources(tmp_path):

@@ -166,6 +166,7 @@ def direct_vllm_client(serve_url):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a vLLM replica of its own (~50 s); direct streaming on huggingface runs in CI
 def test_vllm_backend_streams_directly_and_answers_as_huggingface(direct_vllm_client, direct_client):
     backend, vllm = chat(direct_vllm_client, "direct-vllm", messages=QUESTION, temperature=0, max_tokens=32)
     _, hf = chat(direct_client, "direct:base", messages=QUESTION, temperature=0, max_tokens=32)  # no adapter

@@ -15,7 +15,8 @@ import pytest
 from fake_engine import openai_client, serve_fake
 from test_embeddings_hf import TEXTS, WORDS, bert_tokenizer, save_sentence_transformer
 
-pytestmark = pytest.mark.slow
+# A vLLM engine of its own; CI checks /v1/embeddings on huggingface (tests/test_e2e_embeddings.py).
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,10 @@ def start(cls=SGLangEngine, launch=STANDIN, **fields):
     return engine
 
 
-@pytest.fixture(scope="module", params=["standin", pytest.param("real", marks=pytest.mark.real_sglang)])
+# The real server at engine level is `extended` (tests/conftest.py): CI runs it through the API
+# (tests/test_e2e_sglang.py) and these cases on the stand-in.
+@pytest.fixture(scope="module", params=["standin", pytest.param("real", marks=[pytest.mark.real_sglang,
+                                                                              pytest.mark.extended])])
 def server_kind(request) -> str:
     """Which server the module's shared engine runs: the stand-in, or the real SGLang on CPU."""
     return request.param

@@ -12,7 +12,8 @@ from conftest import collect, run
 from engines.base import GenerationRequest, SamplingParams, StructuredOutput
 from engines.errors import ServingError
 
-pytestmark = pytest.mark.slow
+# Engine-level twins of tests/test_e2e_vllm.py, which CI runs: `extended` (tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 VARIED_PROMPTS = [

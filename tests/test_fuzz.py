@@ -29,7 +29,7 @@ MESSAGE = st.fixed_dictionaries({"role": ROLES, "content": CONTENT}) | JSON
 FIELDS = ["model", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "presence_penalty",
           "frequency_penalty", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "logprobs",
           "top_logprobs", "tools", "tool_choice", "response_format", "user", "max_completion_tokens", "logit_bias"]
-# Not null: null means the model's default (1024 new tokens), which outruns the test app's 15 s
+# Not null: null means the model's default (1024 new tokens), which outruns the test app's 30 s
 # request deadline on a loaded 2-core machine and is rightly answered 504.
 SMALL_MAX_TOKENS = st.integers(-3, 6) | JSON.filter(lambda v: v is not None)
 CHAT_BODY = st.fixed_dictionaries(

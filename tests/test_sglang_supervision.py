@@ -66,7 +66,8 @@ def test_readiness_time_out_names_the_limit_and_leaves_no_process(model_path, ca
     assert "--api-key '***'" in started or "'--api-key=***'" in started, started
 
 
-@pytest.mark.parametrize("server", ["standin", pytest.param("real", marks=[pytest.mark.slow, pytest.mark.real_sglang])])
+@pytest.mark.parametrize("server", ["standin", pytest.param("real", marks=[pytest.mark.slow, pytest.mark.real_sglang,
+                                                                          pytest.mark.extended])])
 def test_unknown_flags_are_refused_by_the_server(model_path, server, request):
     """The stand-in refuses them as SGLang 0.5.23's argparse does (status 2, its message)."""
     command = ([sys.executable, str(STANDIN)] if server == "standin"
