@@ -270,3 +270,73 @@ def test_dockerfile_installs_what_the_readme_says():
 def test_manifests_parse(path):
     for doc in yaml.safe_load_all((K8S / path).read_text()):
         assert doc["apiVersion"] and doc["kind"] and doc["metadata"]["name"]
+
+
+# ---- drain on Kubernetes (issue 40 item 7) ------------------------------------------------
+
+def _replica_grace_s() -> float:
+    """The longest `graceful_shutdown_timeout_s` of serve_config.yaml's deployments, as built."""
+    from deployments.cli.preflight import preflight
+
+    targets = preflight(str(ROOT / "serve_config.yaml"), kind="serve").targets
+    return max(t.target._bound_deployment._deployment_config.graceful_shutdown_timeout_s for t in targets)
+
+
+def test_every_rayservice_pod_drains_its_node_before_kubernetes_kills_it():
+    """KubeRay's PID 1 is bash, which does not pass SIGTERM to `ray start --block`: the preStop
+    hook does, and Ray's drain deadline covers the replicas' graceful shutdown, within the pod's
+    grace period (the hook waits the drain + 10 s)."""
+    replica_grace_s = _replica_grace_s()
+    for template in _pod_templates(_rayservice()):
+        spec = template["spec"]
+        for c in spec["containers"]:
+            assert c["lifecycle"]["preStop"]["exec"]["command"] == ["python", "-m", "deployments.cluster.prestop"]
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            drain_s = float(env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"])
+            assert drain_s > replica_grace_s, (drain_s, replica_grace_s)
+            assert spec["terminationGracePeriodSeconds"] >= drain_s + 10
+
+
+def test_the_keda_layout_runs_lmserve_serve_as_pid_1_in_the_high_throughput_mode():
+    """It ran plain `serve run` (no HAProxy data path, no drain on SIGTERM)."""
+    from deployments.cluster.env import RAY_HIGH_THROUGHPUT_ENV
+
+    deployment = next(d for d in yaml.safe_load_all((K8S / "keda-scaledobject.yaml").read_text())
+                      if d["kind"] == "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    assert container["args"][0].split("&&")[-1].split() == ["exec", "lmserve", "serve", "serve_config.yaml"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert {k: env.get(k) for k in RAY_HIGH_THROUGHPUT_ENV} == RAY_HIGH_THROUGHPUT_ENV
+    assert spec["terminationGracePeriodSeconds"] > _replica_grace_s()
+
+
+def test_the_prestop_hook_sends_sigterm_to_ray_start_and_waits_for_it(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from deployments.cluster import prestop
+
+    # `ray start --block` as Ray's CLI runs it (`python .../bin/ray start ... --block`): on SIGTERM
+    # it "drains" for a second, then exits
+    fake_ray = tmp_path / "ray"
+    drained = tmp_path / "drained"
+    fake_ray.write_text("import signal, sys, time\n"
+                        "def drain(*_):\n    time.sleep(1)\n"
+                        f"    open({str(drained)!r}, 'w').close()\n    sys.exit(0)\n"
+                        "signal.signal(signal.SIGTERM, drain)\nprint('up', flush=True)\ntime.sleep(60)\n")
+    other = subprocess.Popen([sys.executable, str(fake_ray), "start", "--head"], stdout=subprocess.PIPE)  # no --block
+    proc = subprocess.Popen([sys.executable, str(fake_ray), "start", "--head", "--block"], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"up\n" and other.stdout.readline() == b"up\n"
+        assert prestop.is_ray_start_block(["/home/ray/anaconda3/bin/ray", "start", "--address=h:6379", "--block"])
+        assert not prestop.is_ray_start_block(["python", "-m", "deployments.cluster.prestop"])
+        started = time.monotonic()
+        assert prestop.main(["--timeout-s", "30"]) == 0
+        assert proc.poll() == 0 and drained.exists() and 1 <= time.monotonic() - started < 30
+        assert other.poll() is None  # only the `--block` one
+    finally:
+        for p in (proc, other):
+            p.kill()
+            p.wait()
