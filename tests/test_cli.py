@@ -636,3 +636,25 @@ def test_a_replica_still_starting_is_not_reported_as_waiting_for_resources():
     assert fits_free_resources({"CPU": 1.0}, free) and fits_free_resources({}, free)
     assert fits_free_resources({"CPU": 0.0, "GPU": 0.0}, free)
     assert not fits_free_resources({"CPU": 64.0}, free) and not fits_free_resources({"GPU": 1.0}, free)
+
+
+def test_orphans_of_the_commands_process_tree_are_reaped_before_it_exits(tmp_path):
+    """Issue 40 item 8: zombies were left after `lmserve api` stopped (Ray's workers, re-parented
+    to a PID 1 that does not reap). As a child subreaper the command gets its tree's orphans and
+    waits for them: here a grandchild that outlives its parent."""
+    script = tmp_path / "tree.py"
+    script.write_text(
+        "import subprocess, sys, psutil\n"
+        "from deployments.cli.reaper import become_subreaper, reap_descendants\n"
+        "assert become_subreaper()\n"
+        # the shell exits at once; its `sleep` is orphaned and re-parented to this process
+        "subprocess.run(['sh', '-c', 'sleep 1 & echo $!'], check=True, stdout=open(sys.argv[1], 'w'))\n"
+        "orphan = int(open(sys.argv[1]).read())\n"
+        "assert psutil.Process(orphan).ppid() == psutil.Process().pid\n"
+        "assert reap_descendants(timeout_s=30) == []\n"
+        "assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() != psutil.STATUS_ZOMBIE\n"
+        "assert psutil.Process().children() == []\n"
+        "print('reaped')\n")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "pid")], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0 and proc.stdout.strip() == "reaped", proc.stderr

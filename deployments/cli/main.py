@@ -539,6 +539,10 @@ def main(argv: list[str] | None = None) -> int:
     # option would be refused; the command's own parser takes them anywhere, as LLaMA-Factory's
     # `llamafactory-cli` does (`parse_intermixed_args`).
     args = command.parse_intermixed_args(argv[1:]) if command else parser.parse_args(argv)
+    if args.func in (_api, _serve, _batch):  # they may start a local Ray cluster: reap its processes
+        from deployments.cli.reaper import reap_at_exit
+
+        reap_at_exit()
     try:
         return args.func(args)
     except (ConfigError, PortsInUseError) as exc:
