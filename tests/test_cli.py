@@ -190,6 +190,16 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
         assert "ray_serve_" in httpx.get(metrics_url, timeout=30).text
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+        # What runs, asked of this run's own cluster (issue 40 item 2: `serve status` needed
+        # RAY_AUTH_MODE=token and port 8265 may be another cluster's)
+        status = subprocess.run(LMSERVE + ["status", "--pid", str(proc.pid)], capture_output=True, text=True,
+                                timeout=180, env={k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"})
+        assert status.returncode == 0, status.stderr
+        lines = status.stdout.splitlines()
+        assert lines[0].startswith(f"lmserve api (pid {proc.pid}, since ") and f"{lf_config}; API " \
+            f"http://127.0.0.1:{port}/v1; Ray cluster " in lines[0], lines
+        assert lines[1:] == ["  application 'lmserve': RUNNING",
+                             "    deployment 'ModelServer:my-sft': HEALTHY, replicas: 1 running"], lines
         proc.send_signal(signal.SIGTERM)  # to the main process only: it drains and stops, as `lmserve serve`
         assert proc.wait(120) == 0
         lines = log.read_text().splitlines()
@@ -658,3 +668,24 @@ def test_orphans_of_the_commands_process_tree_are_reaped_before_it_exits(tmp_pat
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "pid")], capture_output=True, text=True,
                           timeout=60, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0 and proc.stdout.strip() == "reaped", proc.stderr
+
+
+def test_runs_are_recorded_for_status_and_forgotten_when_their_process_goes(tmp_path, monkeypatch):
+    from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+
+    from deployments.cli import runs
+
+    monkeypatch.setenv("LMSERVE_HOME", str(tmp_path))
+    path = runs.record_run("serve", "serve_config.yaml", "http://0.0.0.0:8000", "127.0.0.1:6379", None)
+    gone = path.with_name("999999999.json")  # a process that is not running
+    gone.write_text(path.read_text().replace(f'"pid": {os.getpid()}', '"pid": 999999999'))
+    assert [run["pid"] for run in runs.live_runs()] == [os.getpid()] and not gone.exists()
+    status = ServeStatus(applications={"lmserve": ApplicationStatusOverview(
+        status="DEPLOYING", message="", last_deployed_time_s=0, deployments={
+            "ModelServer:smollm2": DeploymentStatusOverview(
+                status="UPDATING", status_trigger="CONFIG_UPDATE_STARTED",
+                replica_states={"RUNNING": 1, "STARTING": 1, "STOPPING": 0}, message="waiting\n for  a replica")})})
+    assert runs.describe_status(status) == [
+        "application 'lmserve': DEPLOYING",
+        "  deployment 'ModelServer:smollm2': UPDATING, replicas: 1 running, 1 starting (waiting for a replica)"]
+    assert runs.describe_status(ServeStatus()) == ["no applications"]

@@ -98,3 +98,35 @@ def test_a_replica_that_cannot_be_placed_is_reported_with_its_resources(tmp_path
     assert "application 'broken': deployment 'ModelServer:m': a replica has waited" in failure
     assert "it asks for {'CPU': 1, " in failure and "'tpu_slice': 1}; the cluster has {'CPU': " in failure, failure
     assert " free (" in failure
+
+
+@pytest.mark.extended
+def test_status_and_deploy_operate_a_running_serve(tmp_path):
+    """Issue 40 item 2: see what a running `lmserve serve` runs, and rescale it with a changed
+    config, without Ray's CLI (which needed RAY_AUTH_MODE=token and a free port 8265)."""
+    import time
+
+    config = _serve_config(tmp_path, "smollm2", "{num_replicas: 1, ray_actor_options: {num_cpus: 0.5}}")
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(LMSERVE + ["serve", str(config)], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "lmserve: ready" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(1)
+        status = subprocess.run(LMSERVE + ["status", "--pid", str(proc.pid)], capture_output=True, text=True,
+                                timeout=180)
+        assert status.returncode == 0 and status.stdout.splitlines()[1:] == [
+            "  application 'broken': RUNNING", "    deployment 'ModelServer:m': HEALTHY, replicas: 1 running"], status
+        config.write_text(config.read_text().replace("num_replicas: 1", "num_replicas: 2"))
+        deploy = subprocess.run(LMSERVE + ["deploy", str(config)], capture_output=True, text=True, timeout=400)
+        assert deploy.returncode == 0, deploy.stderr[-2000:]
+        assert "  deployment 'ModelServer:m': HEALTHY, replicas: 2 running" in deploy.stdout.splitlines(), deploy
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -101,6 +101,7 @@ def _api(args: argparse.Namespace) -> int:
     _isolate_a_new_local_cluster(port)
     logs = _start_ray("api", args.verbose)
     serve.start(http_options={"host": host, "port": port})
+    _record_run(args.command, args.config, f"http://{host}:{port}/v1")
     print(f"lmserve: serving {config.model_name_or_path!r} as model {describe_served_models(model_id, config)} "
           f"({config.infer_backend}) on http://{host}:{port}/v1", file=sys.stderr)
     if (warning := open_api_warning(host, port, [("lmserve", {})])) is not None:
@@ -111,6 +112,89 @@ def _api(args: argparse.Namespace) -> int:
     if webchat:
         ready = f"web chat on http://{'localhost' if host in ('0.0.0.0', '::', '[::]') else host}:{port}/, {ready}"
     return _run_until_signalled(["lmserve"], stop, ready=ready, logs=logs)
+
+
+def _record_run(command: str, config: str, api_url: str) -> None:
+    """This run's file for `lmserve status` (`deployments/cli/runs.py`)."""
+    import ray
+
+    from deployments.cli.runs import record_run
+
+    context = ray.get_runtime_context()
+    record_run(command, config, api_url, context.gcs_address, _DASHBOARD_URL)
+
+
+def _status(args: argparse.Namespace) -> int:
+    """What each `lmserve serve`/`api` of this machine runs (`deployments/cli/runs.py`): where
+    its API answers and its config, then Serve's status of its applications, deployments and
+    replicas, asked of its own Ray cluster (with `--pid`, only that run's)."""
+    import subprocess
+
+    from deployments.cli.runs import live_runs
+
+    runs = live_runs()
+    if args.pid is not None:
+        runs = [run for run in runs if run["pid"] == args.pid]
+        if not runs:
+            raise ConfigError(f"no lmserve serve/api runs with pid {args.pid} on this machine")
+    if not runs:
+        print("lmserve status: no lmserve serve/api runs on this machine")
+        return 1
+    for run in runs:
+        print(f"lmserve {run['command']} (pid {run['pid']}, since {run['started']}): {run['config']}; API "
+              f"{run['api']}; Ray cluster {run['gcs_address']}"
+              + (f", dashboard {run['dashboard']}" if run.get("dashboard") else ""), flush=True)
+        # One Ray driver per process: each cluster is asked from a process of its own.
+        proc = subprocess.run([sys.executable, "-m", "deployments.cli.runs", run["gcs_address"]],
+                              capture_output=True, text=True, timeout=120,
+                              env={"RAY_AUTH_MODE": "token", **os.environ})
+        print(proc.stdout.rstrip() if proc.returncode == 0 else
+              f"  cannot ask its cluster: {(proc.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    """Deploy a changed Ray Serve config into a running `lmserve serve` (the only one on this
+    machine, or `--pid`): checked as `serve` checks it (`preflight`), then `serve.run_many` on
+    that run's cluster, which Serve applies as it applies any redeploy: a change of `num_replicas`
+    or autoscaling only rescales; any other change replaces the replicas one by one, each old one
+    draining its requests (`graceful_shutdown_timeout_s`). Waits until the applications run again.
+
+    Raises:
+        ConfigError: the config does not pass `preflight`, or no single run is named.
+    """
+    import time
+
+    from deployments.cli.runs import describe_status, live_runs
+
+    checked = preflight(args.config, kind="serve")
+    runs = [run for run in live_runs() if run["command"] == "serve" and args.pid in (None, run["pid"])]
+    if len(runs) != 1:
+        raise ConfigError(f"{'no' if not runs else len(runs)} `lmserve serve` runs on this machine"
+                          f"{f' with pid {args.pid}' if args.pid is not None else ''}; "
+                          + ("name one with --pid" if runs else "start one with `lmserve serve`"))
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # a local cluster of Ray 2.60 asks for its token
+    import logging
+
+    import ray
+    from ray import serve
+
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    ray.init(address=runs[0]["gcs_address"], log_to_driver=False, logging_level=logging.ERROR)
+    serve.run_many(checked.targets, wait_for_applications_running=False)
+    print(f"lmserve deploy: {args.config} -> lmserve serve (pid {runs[0]['pid']})", file=sys.stderr)
+    names = [target.name for target in checked.targets]
+    deadline = time.monotonic() + args.timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status()
+        apps = [status.applications.get(name) for name in names]
+        if all(app is not None and app.status == "RUNNING" for app in apps) or any(
+                app is not None and app.status == "DEPLOY_FAILED" for app in apps):
+            break
+        time.sleep(1)
+    print("\n".join(describe_status(serve.status())))
+    final = serve.status().applications
+    return 0 if all(name in final and final[name].status == "RUNNING" for name in names) else 1
 
 
 def _start_ray(command: str, verbose: bool, **init_args) -> str:
@@ -132,6 +216,10 @@ def _start_ray(command: str, verbose: bool, **init_args) -> str:
         log_path = _QUIET_LOG = driver_log_path(command)
         quiet_ray_console(log_path)
     context = ray.init(log_to_driver=verbose, **init_args)
+    global _DASHBOARD_URL
+    _DASHBOARD_URL = getattr(context, "dashboard_url", None) or None
+    if _DASHBOARD_URL and "://" not in _DASHBOARD_URL:
+        _DASHBOARD_URL = f"http://{_DASHBOARD_URL}"
     session_dir = (getattr(context, "address_info", None) or {}).get("session_dir")
     where = [str(log_path)] if log_path else []
     if session_dir:
@@ -271,6 +359,7 @@ def _serve(args: argparse.Namespace) -> int:
         controller_options=config.controller_options,
         tracing_config=config.tracing_config,
     )
+    _record_run("serve", args.config, f"http://{config.http_options.host}:{config.http_options.port}")
     stop = _drain_on_signals()
     serve.run_many(checked.targets, wait_for_applications_running=False)
     print(f"lmserve: deployed {args.config}; SIGTERM or Ctrl-C drains and stops", file=sys.stderr)
@@ -382,6 +471,8 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
 
 # This run's log file when `_start_ray` was quiet (no --verbose); None otherwise.
 _QUIET_LOG = None
+# The Ray dashboard of the cluster `_start_ray` started or joined, when it runs one.
+_DASHBOARD_URL: str | None = None
 
 
 CLUSTER_CHECK_INTERVAL_S = 2.0
@@ -520,6 +611,14 @@ def main(argv: list[str] | None = None) -> int:
     _address_arguments(p, "the config's http_options.host", "the config's http_options.port")
     p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=_serve)
+    p = sub.add_parser("status", help="what each lmserve serve/api of this machine runs: applications, replicas")
+    p.add_argument("--pid", type=int, help="only the run of this process")
+    p.set_defaults(func=_status)
+    p = sub.add_parser("deploy", help="deploy a changed Ray Serve config into the running lmserve serve")
+    p.add_argument("config", nargs="?", default=settings().config)
+    p.add_argument("--pid", type=int, help="the lmserve serve to deploy into, when several run")
+    p.add_argument("--timeout-s", type=float, default=600, help="how long to wait for the applications to run")
+    p.set_defaults(func=_deploy)
     p = sub.add_parser("download", help="fetch and convert a model into $LMSERVE_HOME (default: smollm2)")
     p.add_argument("name", nargs="?", default="smollm2")
     p.set_defaults(func=_download)
