@@ -160,6 +160,12 @@ class Settings(BaseSettings, IngressFields):
         60, gt=0, description="HAProxy: a client that HAProxy waits on for this many seconds (to send the rest "
         "of a body larger than the buffer, or to read a response it stopped reading) is disconnected. A "
         "stream whose client reads is never cut by it, however long the gaps between tokens.")
+    haproxy_socket_buffer_bytes: int = Field(
+        65536, ge=0, description="HAProxy: the kernel buffers of its client sockets' sending side and its "
+        "replica sockets' receiving side (`tune.sndbuf.client`, `tune.rcvbuf.server`). A client that stops "
+        "reading then holds back the stream after about this much (plus HAProxy's own buffer), so "
+        "`haproxy_timeout_client_s` starts and ends it, and the replica stops generating; the kernel's "
+        "default grows to megabytes, which a slow model takes minutes to fill. 0 = the kernel's default.")
     haproxy_max_connections_per_source: int = Field(
         512, ge=0, description="HAProxy: connections one client address may hold at once; more are closed as "
         "they open. 0 = no limit: turn it off behind a proxy or load balancer that hides client addresses "

@@ -133,6 +133,13 @@ def test_admin_on_loopback(ray_config, tmp_path):
     assert _section(everywhere, "listen stats") == _section(ray_config, "listen stats")
 
 
+def test_bounded_socket_buffers(ray_config, tmp_path):
+    out = _section(adapt_config(ray_config, Settings(), tmp_path), "global")
+    assert "    tune.sndbuf.client 65536\n" in out and "    tune.rcvbuf.server 65536\n" in out
+    kernel = adapt_config(ray_config, Settings(haproxy_socket_buffer_bytes=0), tmp_path)
+    assert "tune.sndbuf" not in kernel and "tune.rcvbuf" not in kernel
+
+
 def test_adapting_twice_changes_nothing(ray_config, tmp_path):
     once = adapt_config(ray_config, Settings(), tmp_path)
     assert once.startswith(ADAPTED_MARK + "\n")
@@ -146,7 +153,7 @@ def test_a_changed_template_keeps_rays_lines_and_says_so(ray_config, tmp_path):
     assert log.getvalue().count("\n") == 1 and "retry_once not applied" in log.getvalue()
     assert not re.search(r"^\s*retries ", _section(out, "defaults"), re.M)  # as Ray wrote it
     assert "timeout http-request 10s" in out  # the other steps still apply
-    assert len(REWRITES) == 8
+    assert len(REWRITES) == 9
 
 
 # --- the real HAProxy through the launcher ---------------------------------------------------
@@ -176,6 +183,21 @@ class _Replica(http.server.BaseHTTPRequestHandler):
         self.server.seen.append(self.path)
         if self.server.dies:
             self.close_connection = True
+            return
+        if self.path.startswith("/firehose"):  # SSE events until the connection takes no more
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            event = b"data: " + b"x" * 200 + b"\n\n"
+            try:
+                while True:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    self.wfile.flush()
+                    self.server.sent += len(event)
+                    time.sleep(0.002)
+            except OSError:  # HAProxy closed the connection: the generation would be aborted
+                self.server.closed_at = time.monotonic()
             return
         if self.path.startswith("/stream"):
             self.send_response(200)
@@ -207,7 +229,7 @@ class _ReplicaServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 def _replica(name: str, dies: bool = False) -> _ReplicaServer:
     server = _ReplicaServer(("127.0.0.1", 0), _Replica)
-    server.name, server.dies, server.seen = name, dies, []
+    server.name, server.dies, server.seen, server.sent, server.closed_at = name, dies, [], 0, None
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -400,6 +422,25 @@ def test_live_stream_outlasts_the_client_timeout(start_haproxy):
     assert "    timeout client 1s\n" in proxy.config.read_text()  # Ray's is an hour
     events = httpx.get(f"{proxy.url}/stream?gap=1.3", timeout=30).text
     assert events == "".join(f"data: {i}\n\n" for i in range(3))
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_the_replica_stops(start_haproxy):
+    """Issue 40 item 9: a streaming client that reads nothing held its replica generating into
+    the kernel's buffers (3 MB here before HAProxy's client timeout could start; minutes of a
+    slow model's tokens). With bounded socket buffers the stream is held back within about
+    0.3 MB, HAProxy's client timeout runs, and it closes the replica's connection."""
+    proxy, (replica,) = start_haproxy(LMSERVE_HAPROXY_TIMEOUT_CLIENT_S="2")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # as bench.attack's slow readers
+        sock.connect(("127.0.0.1", proxy.port))
+        started = time.monotonic()
+        sock.sendall(b"GET /firehose HTTP/1.1\r\nhost: x\r\n\r\n")  # then never reads
+        deadline = started + 60
+        while replica.closed_at is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert replica.closed_at is not None, f"still streaming after 60 s: {replica.sent} bytes sent"
+    assert replica.sent < 1 << 20, replica.sent  # held back within a MB, not the kernel's megabytes
+    assert replica.closed_at - started < 30
 
 
 def test_stats_and_metrics_on_loopback_and_admin_socket_owner_only(start_haproxy):

@@ -382,6 +382,23 @@ def admin_on_loopback(lines: list[str], s: Settings, pages: Path) -> None:
 
 #: The steps `adapt_config` applies, in order: (name, step). A step changes the config's lines
 #: in place, or raises TemplateChangedError and changes nothing.
+def bounded_socket_buffers(lines: list[str], s: Settings, pages: Path) -> None:
+    """`tune.sndbuf.client` and `tune.rcvbuf.server` = `haproxy_socket_buffer_bytes` (global), so
+    a client that stops reading holds the stream back within about that many bytes: HAProxy then
+    waits on the client, `timeout client` runs and closes both sides, and the replica sees the
+    disconnect and aborts the generation. Without them Linux grows both buffers to megabytes on
+    their own (`tcp_wmem`, `tcp_rmem`), and a client that reads nothing keeps a replica generating
+    into them for minutes (`bench.attack`'s slow-reader phase)."""
+    if not s.haproxy_socket_buffer_bytes:
+        return
+    start, end = _section(lines, "global")
+    lines[start + 1:end] = [line for line in lines[start + 1:end]
+                            if not re.match(r"\s*tune\.(sndbuf\.client|rcvbuf\.server) ", line)]
+    start, _ = _section(lines, "global")
+    _insert(lines, start + 1, [f"tune.sndbuf.client {s.haproxy_socket_buffer_bytes}",
+                               f"tune.rcvbuf.server {s.haproxy_socket_buffer_bytes}"])
+
+
 REWRITES: list[tuple[str, Callable[[list[str], Settings, Path], None]]] = [
     ("request_limits", request_limits),
     ("fresh_request_id", fresh_request_id),
@@ -391,6 +408,7 @@ REWRITES: list[tuple[str, Callable[[list[str], Settings, Path], None]]] = [
     ("unavailable_without_routes", unavailable_without_routes),
     ("unavailable_from_fallback", unavailable_from_fallback),
     ("admin_on_loopback", admin_on_loopback),
+    ("bounded_socket_buffers", bounded_socket_buffers),
 ]
 
 
