@@ -130,3 +130,40 @@ def test_status_and_deploy_operate_a_running_serve(tmp_path):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.extended
+def test_two_lmserve_api_started_at_the_same_moment_both_serve(tmp_path):
+    """Issue 40 item 6: the second of two `lmserve api` started together crashed in HAProxy
+    (`cannot bind socket ... 127.0.0.1:9101` and `:8404`), both having found Ray's default ports
+    free. Each now claims its ports before its cluster binds them (deployments/cluster/env.py)."""
+    import time
+
+    import httpx
+
+    config = tmp_path / "my_model.yaml"
+    config.write_text("model_name_or_path: smollm2\n")
+    ports, procs, logs = [free_port(), free_port()], [], []
+    for i, port in enumerate(ports):
+        logs.append(tmp_path / f"api{i}.log")
+        with logs[-1].open("w") as out:
+            procs.append(subprocess.Popen(LMSERVE + ["api", str(config), "--host", "127.0.0.1", "--port", str(port)],
+                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        deadline = time.monotonic() + 400
+        for proc, log in zip(procs, logs):
+            while "lmserve: ready" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(1)
+        for port in ports:
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+                "model": "gpt-3.5-turbo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+            assert answer.status_code == 200, answer.text
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGINT)
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
