@@ -119,7 +119,8 @@ def test_status_and_deploy_operate_a_running_serve(tmp_path):
         status = subprocess.run(LMSERVE + ["status", "--pid", str(proc.pid)], capture_output=True, text=True,
                                 timeout=180)
         assert status.returncode == 0 and status.stdout.splitlines()[1:] == [
-            "  application 'broken': RUNNING", "    deployment 'ModelServer:m': HEALTHY, replicas: 1 running"], status
+            "  application 'broken': RUNNING", "    deployment 'ModelServer:m': HEALTHY, replicas: 1 running",
+            "    deployment 'OpenAIIngress': HEALTHY, replicas: 1 running"], status
         config.write_text(config.read_text().replace("num_replicas: 1", "num_replicas: 2"))
         deploy = subprocess.run(LMSERVE + ["deploy", str(config)], capture_output=True, text=True, timeout=400)
         assert deploy.returncode == 0, deploy.stderr[-2000:]

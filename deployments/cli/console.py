@@ -30,9 +30,10 @@ from pathlib import Path
 from engines.model_source import lmserve_home
 
 # Ray's driver loggers (`ray/_private/log.py` gives `ray` a stderr handler at import; Ray Serve
-# gives `ray.serve` its own at `import ray.serve`, `configure_default_serve_logger`). Both stop
-# propagating, so each needs the file handler.
-RAY_DRIVER_LOGGERS = ("ray", "ray.serve")
+# gives `ray.serve` its own at `import ray.serve`, `configure_default_serve_logger`; Ray Data
+# configures `ray.data` at `import ray.data`, for `lmserve batch`). They stop propagating, so each
+# needs the file handler.
+RAY_DRIVER_LOGGERS = ("ray", "ray.serve", "ray.data")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

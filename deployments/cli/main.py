@@ -130,7 +130,7 @@ def _status(args: argparse.Namespace) -> int:
     replicas, asked of its own Ray cluster (with `--pid`, only that run's)."""
     import subprocess
 
-    from deployments.cli.runs import live_runs
+    from deployments.cli.runs import driver_env, live_runs
 
     runs = live_runs()
     if args.pid is not None:
@@ -146,8 +146,7 @@ def _status(args: argparse.Namespace) -> int:
               + (f", dashboard {run['dashboard']}" if run.get("dashboard") else ""), flush=True)
         # One Ray driver per process: each cluster is asked from a process of its own.
         proc = subprocess.run([sys.executable, "-m", "deployments.cli.runs", run["gcs_address"]],
-                              capture_output=True, text=True, timeout=120,
-                              env={"RAY_AUTH_MODE": "token", **os.environ})
+                              capture_output=True, text=True, timeout=120, env=driver_env(run["gcs_address"]))
         print(proc.stdout.rstrip() if proc.returncode == 0 else
               f"  cannot ask its cluster: {(proc.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
     return 0
@@ -165,15 +164,16 @@ def _deploy(args: argparse.Namespace) -> int:
     """
     import time
 
-    from deployments.cli.runs import describe_status, live_runs
+    from deployments.cli.runs import describe_status, driver_env, live_runs
 
-    checked = preflight(args.config, kind="serve")
     runs = [run for run in live_runs() if run["command"] == "serve" and args.pid in (None, run["pid"])]
     if len(runs) != 1:
         raise ConfigError(f"{'no' if not runs else len(runs)} `lmserve serve` runs on this machine"
                           f"{f' with pid {args.pid}' if args.pid is not None else ''}; "
                           + ("name one with --pid" if runs else "start one with `lmserve serve`"))
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # a local cluster of Ray 2.60 asks for its token
+    # Before Ray is imported (by `preflight`): it reads both variables once, at import.
+    os.environ.update(driver_env(runs[0]["gcs_address"]))
+    checked = preflight(args.config, kind="serve")
     import logging
 
     import ray
@@ -260,6 +260,8 @@ def _batch(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise ConfigError(f"{args.config}: {exc}") from None
     try:
+        import ray.data  # noqa: F401 - configures Ray Data's logger, which `_start_ray` then quiets
+
         run_batch(config, args.dataset, args.output, resume=args.resume, overwrite=args.overwrite,
                   num_workers=args.num_workers, batch_size=args.batch_size,
                   num_cpus_per_worker=args.num_cpus, num_gpus_per_worker=args.num_gpus,

@@ -56,18 +56,36 @@ def live_runs() -> list[dict[str, Any]]:
     return sorted(runs, key=lambda run: run["started"])
 
 
+def driver_env(gcs_address: str) -> dict[str, str]:
+    """The environment of a driver that joins the run's cluster at `gcs_address`: Ray's token
+    authentication (`RAY_AUTH_MODE=token`, the token in `~/.ray/auth_token`), and for a cluster
+    on loopback (`lmserve serve`/`api` start one there, `LMSERVE_RAY_LOOPBACK`) the same loopback
+    switch, without which the driver looks for a raylet on the machine's own address and waits."""
+    from deployments.cluster.env import RAY_LOOPBACK_ENV
+
+    env = {"RAY_AUTH_MODE": "token", **os.environ}
+    if gcs_address.rpartition(":")[0] in ("127.0.0.1", "localhost"):
+        env.update({k: v for k, v in RAY_LOOPBACK_ENV.items() if k not in os.environ})
+    return env
+
+
+def _name(status: Any) -> str:
+    return str(getattr(status, "value", status))
+
+
 def describe_status(status: Any) -> list[str]:
     """Lines for `serve.status()`: one per application (status, route), one per deployment
     (status, replicas by state, and Serve's message when it has one)."""
     lines = []
     for name, app in sorted(status.applications.items()):
         route = f" at {app.route_prefix}" if getattr(app, "route_prefix", None) else ""
-        lines.append(f"application {name!r}{route}: {app.status}" + (f" ({app.message})" if app.message else ""))
+        lines.append(f"application {name!r}{route}: {_name(app.status)}" + (f" ({app.message})" if app.message else ""))
         for dep_name, dep in sorted(app.deployments.items()):
-            states = ", ".join(f"{count} {state.lower()}" for state, count in sorted(dep.replica_states.items())
-                               if count) or "no replicas"
+            states = ", ".join(f"{count} {_name(state).lower()}" for state, count
+                               in sorted(dep.replica_states.items(), key=lambda item: _name(item[0])) if count)
+            states = states or "no replicas"
             message = " ".join(dep.message.split())[:300] if dep.message else ""
-            lines.append(f"  deployment {dep_name!r}: {dep.status}, replicas: {states}"
+            lines.append(f"  deployment {dep_name!r}: {_name(dep.status)}, replicas: {states}"
                          + (f" ({message})" if message else ""))
     return lines or ["no applications"]
 
