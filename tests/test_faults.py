@@ -8,7 +8,7 @@ streaming behind HAProxy, two replicas. Every request is classified as `bench.at
   the connection is refused once the listener is closed), streams still running when the drain
   ends get an error event ("server is shutting down") and `data: [DONE]`, and the command exits 0.
 
-The load is small (2 cores): 6 clients, `max_tokens` 60, plus a few long streams. Both tests
+The load is small (2 cores): 6 clients, `max_tokens` 24, plus a few long streams. Both tests
 run on one server, in this order: the kill first (Serve replaces the replica), then the SIGTERM
 that stops it.
 """
@@ -56,13 +56,14 @@ def server():
 
 async def load(base_url: str, until: threading.Event | asyncio.Event, results: list, clients: int = 6) -> None:
     """`clients` clients sending chat requests one after another (every other one streamed,
-    `max_tokens` 60) until `until` is set; each result appended to `results` as (streamed, Result)."""
+    `max_tokens` 24) until `until` is set; each result appended to `results` as (streamed, Result)."""
 
     async def client(i: int) -> None:
         async with httpx.AsyncClient(base_url=base_url, timeout=180) as http:
             while not until.is_set():
                 streamed = i % 2 == 0
-                result = await send_request(http, "/v1/chat/completions", chat(stream=streamed), stream=streamed)
+                result = await send_request(http, "/v1/chat/completions", chat(stream=streamed, max_tokens=24),
+                                             stream=streamed)
                 results.append((streamed, result))
                 await asyncio.sleep(0.05)
 

@@ -101,13 +101,16 @@ def test_cors_only_for_configured_origins(serve_url):
 
 def test_deadline_ends_a_long_request(serve_url):
     body = {**LONG, "max_tokens": 4000}
+    events = []  # a stream and a plain request at once: one deadline's wait for both
+    stream = threading.Thread(target=read_stream, args=(serve_url + "/v1/chat/completions",
+                                                        {**body, "stream": True}, events))
+    stream.start()
     started = time.monotonic()
     r = httpx.post(serve_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
     assert r.status_code == 504, r.text
     assert r.json()["error"]["type"] == "timeout" and "did not finish" in r.json()["error"]["message"]
     assert time.monotonic() - started < REQUEST_TIMEOUT_S + 30
-    events = []
-    read_stream(serve_url + "/v1/chat/completions", {**body, "stream": True}, events)
+    stream.join(REQUEST_TIMEOUT_S + 60)
     assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "timeout"
     assert wait_until(lambda: engine_stats()["running"] == 0, 10)
 
