@@ -164,7 +164,8 @@ def _deploy(args: argparse.Namespace) -> int:
     """
     import time
 
-    from deployments.cli.runs import describe_status, driver_env, live_runs
+    from deployments.cli.runs import describe_status, driver_env, join_cluster, live_runs
+    from deployments.cli.startup import StartupWatcher
 
     runs = [run for run in live_runs() if run["command"] == "serve" and args.pid in (None, run["pid"])]
     if len(runs) != 1:
@@ -174,27 +175,21 @@ def _deploy(args: argparse.Namespace) -> int:
     # Before Ray is imported (by `preflight`): it reads both variables once, at import.
     os.environ.update(driver_env(runs[0]["gcs_address"]))
     checked = preflight(args.config, kind="serve")
-    import logging
-
-    import ray
     from ray import serve
 
-    logging.getLogger("ray").setLevel(logging.ERROR)
-    ray.init(address=runs[0]["gcs_address"], log_to_driver=False, logging_level=logging.ERROR)
+    join_cluster(runs[0]["gcs_address"])
     serve.run_many(checked.targets, wait_for_applications_running=False)
     print(f"lmserve deploy: {args.config} -> lmserve serve (pid {runs[0]['pid']})", file=sys.stderr)
-    names = [target.name for target in checked.targets]
+    watcher = StartupWatcher([target.name for target in checked.targets], schedule_timeout_s=0)
     deadline = time.monotonic() + args.timeout_s
-    while time.monotonic() < deadline:
-        status = serve.status()
-        apps = [status.applications.get(name) for name in names]
-        if all(app is not None and app.status == "RUNNING" for app in apps) or any(
-                app is not None and app.status == "DEPLOY_FAILED" for app in apps):
-            break
+    while (outcome := watcher.poll()) is None and time.monotonic() < deadline:
         time.sleep(1)
     print("\n".join(describe_status(serve.status())))
-    final = serve.status().applications
-    return 0 if all(name in final and final[name].status == "RUNNING" for name in names) else 1
+    if outcome is None or outcome.failure:
+        print(f"lmserve deploy: {outcome.failure if outcome else f'not running after {args.timeout_s:g} s'}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def _start_ray(command: str, verbose: bool, **init_args) -> str:

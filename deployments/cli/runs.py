@@ -90,16 +90,23 @@ def describe_status(status: Any) -> list[str]:
     return lines or ["no applications"]
 
 
-def print_serve_status(gcs_address: str) -> None:
-    """Join the Ray cluster at `gcs_address` as a driver and print `describe_status` of its Serve
-    (indented); `lmserve status` runs it in a process of its own per cluster."""
+def join_cluster(gcs_address: str) -> None:
+    """Join the run's Ray cluster at `gcs_address` as a quiet driver (Ray's records at ERROR
+    only, no worker output); the environment must be `driver_env`'s before Ray is imported."""
     import logging
 
     import ray
-    from ray import serve
 
     logging.getLogger("ray").setLevel(logging.ERROR)
     ray.init(address=gcs_address, log_to_driver=False, logging_level=logging.ERROR)
+
+
+def print_serve_status(gcs_address: str) -> None:
+    """Join the Ray cluster at `gcs_address` and print `describe_status` of its Serve
+    (indented); `lmserve status` runs it in a process of its own per cluster."""
+    from ray import serve
+
+    join_cluster(gcs_address)
     print("\n".join("  " + line for line in describe_status(serve.status())))
 
 

@@ -128,6 +128,8 @@ PORT_CLAIMS_DIR = Path(tempfile.gettempdir()) / "lmserve-port-claims"
 @contextlib.contextmanager
 def _port_claims_lock() -> Iterator[set[int]]:
     """Hold the claims' lock; yield the ports that other live processes claim."""
+    import psutil  # a dependency of Ray
+
     PORT_CLAIMS_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(PORT_CLAIMS_DIR / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -137,7 +139,7 @@ def _port_claims_lock() -> Iterator[set[int]]:
                 pid = int(path.stem) if path.stem.isdigit() else -1
                 if pid == os.getpid():
                     continue
-                if not _process_alive(pid):
+                if pid <= 0 or not psutil.pid_exists(pid):
                     path.unlink(missing_ok=True)
                     continue
                 try:
@@ -165,18 +167,6 @@ def _serve_ports(env: dict[str, str]) -> set[int]:
         low, high = (int(env[f"RAY_SERVE_DIRECT_INGRESS_{end}_{kind}_PORT"]) for end in ("MIN", "MAX"))
         ports.update(range(low, high + 1))
     return ports
-
-
-def _process_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def second_cluster_ports_env(avoid: Collection[int] = ()) -> dict[str, str]:
