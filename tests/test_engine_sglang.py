@@ -218,8 +218,11 @@ def test_constrained_outputs_follow_their_constraint(sglang_engine, renderer):
     assert finish_of(deltas) == ["stop"]
     jsonschema.validate(json.loads(text_of(deltas)), CITY_SCHEMA)
     ids = renderer.render_chat(QUESTION)
-    assert re.fullmatch(r"[A-Z][a-z]+, [A-Z]{2}", text_of(constrained(
-        ids, StructuredOutput(regex=r"[A-Z][a-z]+, [A-Z]{2}"), temperature=1.0, top_k=5)))
+    # bounded, so that sampling at temperature 1 must reach the end within max_tokens (with
+    # `[a-z]+` a sample could spell lowercase letters for all 60 tokens, a valid prefix)
+    sampled = constrained(ids, StructuredOutput(regex=r"[A-Z][a-z]{1,12}, [A-Z]{2}"), temperature=1.0, top_k=5)
+    assert finish_of(sampled) == ["stop"]
+    assert re.fullmatch(r"[A-Z][a-z]{1,12}, [A-Z]{2}", text_of(sampled))
     assert text_of(constrained(ids, StructuredOutput(choice=["Paris", "Rome"]), temperature=0)) in ("Paris", "Rome")
     with pytest.raises(ServingError, check=lambda e: e.kind == "invalid_request" and e.param == "response_format",
                        match='Failed to compile json grammar: .*Unsupported type "town"'):
