@@ -8,7 +8,7 @@
 # Output also goes to bench/results/gpu_check_sglang.txt.
 #
 # The SGLang environment is pinned by the constraints the CPU test tier is built with
-# (.ci/sglang-cpu-constraints.txt: torch 2.14.1 and every non-GPU package at the versions the
+# (deployments/cli/sglang_cpu/constraints.txt: torch 2.14.1 and every non-GPU package at the versions the
 # tests run); the CUDA-only packages the CPU environment leaves out (sglang-kernel, flashinfer,
 # ...) resolve to what sglang 0.5.23 asks for.
 #
@@ -27,7 +27,7 @@ server_venv=bench/.venvs/sglang-server
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 [ -x "$server_venv/bin/python" ] || python3 -m venv "$server_venv"
 "$venv/bin/pip" install -q -e '.[test]' &
-"$server_venv/bin/pip" install -q -c .ci/sglang-cpu-constraints.txt 'sglang==0.5.23' &
+"$server_venv/bin/pip" install -q -c deployments/cli/sglang_cpu/constraints.txt 'sglang==0.5.23' &
 wait
 "$server_venv/bin/python" -c "import torch, sglang; print('server venv: torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'sglang', sglang.__version__)"
 "$venv/bin/python" -m deployments.cli.main download smollm2

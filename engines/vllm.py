@@ -292,8 +292,8 @@ class VLLMEngine(Engine):
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise ModelLoadError(
-                f"infer_backend 'vllm' needs vLLM: on NVIDIA GPUs `pip install -e '.[vllm]'`; on x86-64 CPUs "
-                f"`bash .ci/setup-venv` (docs/backends.md, vllm, Install) ({exc})") from exc
+                f"infer_backend 'vllm' needs vLLM: install it with `lmserve setup vllm` (docs/backends.md, vllm, "
+                f"Install) ({exc})") from exc
         self._loop = asyncio.get_running_loop()
         self.device = _device()
         args = engine_arguments(self.config, self.model_path, self.device, self.served_model_name)

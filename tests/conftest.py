@@ -289,7 +289,7 @@ def hf_engine(model_dir):
 
 @pytest.fixture(scope="session")
 def real_sglang_python() -> str:
-    """The python of the real SGLang's CPU environment (`.ci/setup-sglang`, started at collection;
+    """The python of the real SGLang's CPU environment (`lmserve setup sglang`'s CPU build, started at collection;
     or `$LMSERVE_SGLANG_PYTHON`), waited for. Fails, never skips, when it cannot be built."""
     from real_sglang import wait_for_build
 

@@ -1,6 +1,7 @@
 """The real SGLang server's CPU environment for the `real_sglang` tests.
 
-`.ci/setup-sglang` builds it (about 10 minutes from an empty cache, seconds when cached). The
+`lmserve setup sglang` builds it on a machine without a GPU, by running
+deployments/cli/sglang_cpu/build.sh (about 10 minutes from an empty cache, seconds when cached). The
 build starts in the background as soon as pytest has collected a `real_sglang` test
 (`tests/conftest.py`), at low priority, and those tests run last, so it overlaps the rest of the
 suite; the `real_sglang_python` fixture waits for it. A build that fails fails those tests with
@@ -8,7 +9,7 @@ its log's last lines: they never skip.
 
 Environment variables:
 - `LMSERVE_SGLANG_PYTHON`: the python of an SGLang environment to use instead (nothing is built),
-  e.g. one made by `bash .ci/setup-sglang` or a GPU machine's own.
+  e.g. one made by `lmserve setup sglang` or a GPU machine's own.
 - `LMSERVE_SGLANG_BUILD_TIMEOUT_S`: how long the fixture waits for the build (default 2400 s).
 """
 
@@ -24,16 +25,19 @@ from pathlib import Path
 
 import pytest
 
+from deployments.cli.setup import SGLANG_CPU_BUILD
+
 ROOT = Path(__file__).resolve().parent.parent
-SETUP = ROOT / ".ci" / "setup-sglang"
+SETUP = SGLANG_CPU_BUILD
 LAUNCH_MODULE = ["-m", "sglang.launch_server"]
 
 _build: dict = {}  # proc, log (Path), started and tier_started (monotonic s), waited (s)
 
 
 def start_build() -> None:
-    """Run `.ci/setup-sglang` in the background (nice 10, own process group, output to a log
-    file), unless `LMSERVE_SGLANG_PYTHON` names an environment or it already runs."""
+    """Run the SGLang CPU build (what `lmserve setup sglang` runs without a GPU) in the background
+    (nice 10, own process group, output to a log file), unless `LMSERVE_SGLANG_PYTHON` names an
+    environment or it already runs."""
     if os.environ.get("LMSERVE_SGLANG_PYTHON") or _build:
         return
     with tempfile.NamedTemporaryFile(prefix="setup-sglang-", suffix=".log", delete=False) as log:
@@ -62,13 +66,13 @@ def wait_for_build() -> str:
     try:
         proc.wait(timeout=max(1.0, timeout - (waiting - _build["started"])))
     except subprocess.TimeoutExpired:
-        pytest.fail(f".ci/setup-sglang did not finish in {timeout:g} s; its log ({log}):\n{_tail(log)}")
+        pytest.fail(f"the SGLang CPU build ({SETUP}) did not finish in {timeout:g} s; its log ({log}):\n{_tail(log)}")
     _build.setdefault("waited", time.monotonic() - waiting)
     lines = log.read_text(errors="replace").strip().splitlines()
     python = lines[-1].strip() if lines else ""
     if proc.returncode != 0 or not Path(python).is_file():
-        pytest.fail(f".ci/setup-sglang failed (exit status {proc.returncode}): the real SGLang's CPU environment "
-                    f"could not be built, so the real_sglang tests cannot run (deselect them with "
+        pytest.fail(f"the SGLang CPU build ({SETUP}) failed (exit status {proc.returncode}): the real SGLang's "
+                    f"CPU environment could not be built, so the real_sglang tests cannot run (deselect them with "
                     f"-m 'not real_sglang'); its log ({log}):\n{_tail(log)}")
     return python
 

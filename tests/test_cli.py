@@ -382,11 +382,11 @@ def test_a_missing_vllm_is_named_with_its_install_command_not_reported_as_a_miss
     from engines.config import ConfigError, EngineConfig
 
     config = EngineConfig(infer_backend="vllm")
-    check_backend_installed("m", config)  # installed here (.ci/setup-venv)
+    check_backend_installed("m", config)  # installed here (.ci/setup-venv: lmserve setup vllm)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"model 'm': field 'infer_backend': 'vllm': vLLM is not installed .*"
-                                          r"pip install -e '\.\[vllm\]'.*bash \.ci/setup-venv"):
+                                          r"install it: `lmserve setup vllm`"):
         check_backend_installed("m", config)
     check_backend_installed("m", EngineConfig())  # huggingface: installed with lmserve
 
@@ -459,7 +459,8 @@ def test_check_api_and_serve_refuse_what_would_fail_on_a_replica(tmp_path, comma
         message = "unknown LLaMA-Factory template 'qwen3_nothnk'; did you mean qwen3_nothink"
     elif case == "sglang not installed":  # the default launch command: this python, which has no sglang
         entry = {"infer_backend": "sglang"}
-        field, message = "infer_backend", "has no 'sglang' module; install SGLang: a virtual environment of its own"
+        field = "infer_backend"
+        message = "has no 'sglang' module; install SGLang: `lmserve setup sglang`, which builds SGLang's own virtual"
     elif case == "sglang launch command missing":
         entry = {"infer_backend": "sglang",
                  "sglang_launch_command": [str(missing / "python"), "-m", "sglang.launch_server"]}

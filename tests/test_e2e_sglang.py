@@ -4,7 +4,7 @@ One Ray Serve app serves the same weights as `smollm2-hf` (huggingface), `smollm
 `smollm2-kt`, the last two through replicas that each launch the SGLang STAND-IN server
 (tests/standins/sglang_server.py) as their child process. Another (`real_sglang`) serves
 `smollm2-real` through a replica that launches the REAL SGLang 0.5.23 on CPU from the environment
-.ci/setup-sglang builds, configured as a user would (`sglang_device: cpu`,
+`lmserve setup sglang` builds, configured as a user would (`sglang_device: cpu`,
 `sglang_launch_command`), and is compared with the session's huggingface app (`client`)."""
 
 import os

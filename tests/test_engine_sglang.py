@@ -1,6 +1,6 @@
 """The sglang and ktransformers engines end to end, started by the engines' own launcher as a
 child process on the real default model, against two servers: the real SGLang 0.5.23 on CPU
-(`real_sglang`: its environment from .ci/setup-sglang, started as a user's `sglang_launch_command`
+(`real_sglang`: its environment from `lmserve setup sglang`, started as a user's `sglang_launch_command`
 would) and the STAND-IN (tests/standins/sglang_server.py: SGLang's native HTTP protocol over
 lmserve's huggingface engine). The tests that take `sglang_engine` run against both, the wire
 cases (`test_wire_*`: SGLang's own routes, shapes and errors, read raw) too, so the stand-in
@@ -76,7 +76,7 @@ def server_kind(request) -> str:
 @pytest.fixture(scope="module")
 def launch(server_kind, request) -> list[str]:
     """`sglang_launch_command` of the server kind: the stand-in script, or the real SGLang's
-    CPU environment's python (waited for: .ci/setup-sglang builds it from collection on)."""
+    CPU environment's python (waited for: `lmserve setup sglang` builds it from collection on)."""
     if server_kind == "standin":
         return STANDIN
     return launch_command(request.getfixturevalue("real_sglang_python"))

@@ -623,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?", default="serve_config.yaml")
     p.add_argument("overrides", nargs="*", help="key=value (LLaMA-Factory inference YAMLs only)")
     p.set_defaults(func=_check)
+    from deployments.cli.setup import add_parser as add_setup_parser
+
+    add_setup_parser(sub)
     p = sub.add_parser("render-k8s", help="copy a serve config into a RayService manifest's serveConfigV2")
     p.add_argument("--config", default="serve_config.yaml")
     p.add_argument("--manifest", default="k8s/rayservice.yaml")

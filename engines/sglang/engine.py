@@ -13,7 +13,7 @@ Launch flags: engines/sglang/launch.py; the wire format of `/generate`: engines/
 
 SGLang is not imported here: it pins torch 2.14.1 and lives in a virtual environment of its own,
 whose python `sglang_launch_command` names. The tests start the real server that way
-(`.ci/setup-sglang` builds its CPU environment) and a stand-in (`tests/standins/sglang_server.py`)
+(`lmserve setup sglang` builds its CPU environment) and a stand-in (`tests/standins/sglang_server.py`)
 for the cases the real one makes slow.
 """
 

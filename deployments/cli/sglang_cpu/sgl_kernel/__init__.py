@@ -1,8 +1,9 @@
 """IMPORT-ONLY STAND-IN for `sgl_kernel`, the CPU build of SGLang's kernel library.
 
 What it is: a module named `sgl_kernel` whose every attribute is a function that raises
-`NotImplementedError` (and prints which kernel was asked for). `.ci/setup-sglang` copies it into
-the SGLang test environment's site-packages; it is not part of lmserve and never on lmserve's path.
+`NotImplementedError` (and prints which kernel was asked for). `lmserve setup sglang` (on a
+machine without a GPU: ../build.sh) copies it into SGLang's CPU environment's site-packages; it is
+package data of lmserve, never imported by lmserve itself.
 
 Why it exists: SGLang 0.5.23 imports `sgl_kernel` unconditionally on its CPU path
 (`sglang/kernels/ops/kvcache/cache_move.py`: `from sgl_kernel import

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Make (or reuse) SGLang 0.5.23's CPU environment, in which the real-SGLang tests
-# (`-m real_sglang`) run `python -m sglang.launch_server --device cpu` through lmserve's own
-# supervisor. Prints the environment's python as its last line.
+# Make (or reuse) SGLang 0.5.23's CPU environment, in which the sglang backend runs
+# `python -m sglang.launch_server --device cpu` as its child process (and the real-SGLang tests,
+# `-m real_sglang`, through lmserve's own supervisor). Run by `lmserve setup sglang` on a machine
+# without a GPU (deployments/cli/setup.py), which CI calls too. Prints the environment's python as
+# its last line.
 #
-#   bash .ci/setup-sglang           # build if needed (about 10 min from an empty cache), print the python
-#   bash .ci/setup-sglang --path    # print the python it builds or reuses, build nothing
+#   bash build.sh           # build if needed (about 10 min from an empty cache), print the python
+#   bash build.sh --path    # print the python it builds or reuses, build nothing
 #
 # What it installs, and why not `pip install sglang==0.5.23`:
 # - torch 2.14.1 + torchvision 0.29.1: sglang pins that torch and imports torchvision at start-up
@@ -12,24 +14,24 @@
 #   takes both from the local disk.
 # - sglang itself with --no-deps, then its requirements minus the CUDA-only ones (GPU_ONLY below):
 #   a plain install pulls about 10 GB of CUDA wheels (flashinfer, flash-attn, deep-ep, ...) that
-#   `--device cpu` never loads. Every version is pinned by .ci/sglang-cpu-constraints.txt (also
+#   `--device cpu` never loads. Every version is pinned by constraints.txt beside this script (also
 #   used by bench/gpu_check_sglang.sh on GPUs).
-# - tests/standins/sgl_kernel, an import-only stand-in for the CPU build of sgl-kernel, which is
+# - sgl_kernel/ beside this script, an import-only stand-in for the CPU build of sgl-kernel, which is
 #   not published on PyPI (see its docstring): SGLang imports it on CPU, and on CPUs without AMX
 #   never calls it.
 #
-# The environment lives outside the clone, named by the hash of this script, the constraints, the
-# stand-in and the python, so a new clone or CI run reuses it:
+# The environment lives outside lmserve's own, named by the hash of this script, the constraints,
+# the stand-in and the python, so a new clone or CI run reuses it:
 # $LMSERVE_VENV_CACHE (default ~/.cache/lmserve/venvs)/sglang-cpu-<hash>. A finished environment
 # carries a marker and is reused at once; an unfinished one (an interrupted run) is built again.
 # Concurrent runs wait on a lock. Other sglang-cpu-* environments (older hashes, 7 GB each) are
 # removed after a build unless another run holds them.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-constraints=$PWD/.ci/sglang-cpu-constraints.txt
-standin=tests/standins/sgl_kernel
+here=$(cd "$(dirname "$0")" && pwd)
+constraints=$here/constraints.txt
+standin=$here/sgl_kernel
 python=${PYTHON:-python3}
-hash=$( { cat .ci/setup-sglang "$constraints" "$standin"/*.py; "$python" -VV; } | sha256sum | cut -c1-12)
+hash=$( { cat "$here/build.sh" "$constraints" "$standin"/__init__.py; "$python" -VV; } | sha256sum | cut -c1-12)
 cache=${LMSERVE_VENV_CACHE:-$HOME/.cache/lmserve/venvs}
 venv=$cache/sglang-cpu-$hash
 if [ "${1:-}" = --path ]; then

