@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -416,6 +417,17 @@ def test_check_api_and_serve_refuse_replicas_this_machine_cannot_hold(tmp_path):
     assert (proc.returncode == 2) == (gpus < 1), proc.stderr
     if gpus < 1:
         assert f"ask for 1 GPU in all, and this machine has {gpus:g} GPU" in proc.stderr
+    # Ray's `memory` resource: a replica asking for more than the node's stays pending too
+    (tmp_path / "memory").mkdir()
+    ask = int(local_cluster_resources()["memory"] + 2**30)
+    memory = _serve_config_of(tmp_path / "memory", "models: [{model_id: m, deployment: {ray_actor_options: "
+                                                   f"{{num_cpus: 1, memory: {ask}}}}}}}]")
+    proc = subprocess.run(LMSERVE + ["check", str(memory)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(rf"lmserve: {re.escape(str(memory))}: the replicas it starts ask for {ask / 2**30:.1f} GiB of "
+                        r"memory in all, and this machine has \d+\.\d GiB of memory for a local Ray cluster "
+                        rf"\(a/ModelServer:m: 1 x \{{CPU: 1, memory: {ask / 2**30:.1f} GiB\}}\); lower .*",
+                        proc.stderr.strip()), proc.stderr
     # On a cluster (RAY_ADDRESS), the cluster's resources decide: the start-up watcher reports.
     proc = subprocess.run(LMSERVE + ["check", str(config)], capture_output=True, text=True, timeout=120,
                           env={**env, "RAY_ADDRESS": "10.0.0.1:6379"})

@@ -461,23 +461,28 @@ def starting_resources(targets: list[Any]) -> list[tuple[str, str, int, dict[str
 
 
 def local_cluster_resources() -> dict[str, float]:
-    """The CPUs and GPUs a local Ray cluster started on this machine counts (Ray's own detection:
-    cgroup CPU quotas, `CUDA_VISIBLE_DEVICES`), unless `RAY_NUM_CPUS`/`RAY_NUM_GPUS`-style
-    overrides are given to `ray start` (not used by lmserve). Ray has no public call for it
-    before a cluster runs; these are the functions `ray.init()` itself calls (Ray 2.60)."""
+    """The CPUs, GPUs and memory (bytes) a local Ray cluster started on this machine counts, by
+    Ray's own detection: cgroup CPU quotas, `CUDA_VISIBLE_DEVICES`, and for `memory` the memory
+    available now less the object store's default share (30 %, capped by /dev/shm), which is the
+    `memory` resource Ray gives the node. Ray has no public call for it before a cluster runs;
+    these are the functions `ray.init()` itself calls (Ray 2.60: `ResourceAndLabelSpec.resolve`)."""
     try:
         from ray._private.accelerators import get_accelerator_manager_for_resource
-        from ray._private.utils import get_num_cpus
+        from ray._private.utils import estimate_available_memory, get_num_cpus, resolve_object_store_memory
 
+        available = estimate_available_memory()
         return {"CPU": float(get_num_cpus()),
-                "GPU": float(get_accelerator_manager_for_resource("GPU").get_current_node_num_accelerators())}
-    except Exception:  # noqa: BLE001 - another Ray: the machine's own count, no GPU assumed
-        return {"CPU": float(os.cpu_count() or 1), "GPU": 0.0}
+                "GPU": float(get_accelerator_manager_for_resource("GPU").get_current_node_num_accelerators()),
+                "memory": float(available - resolve_object_store_memory(available))}
+    except Exception:  # noqa: BLE001 - another Ray: the machine's own count, no GPU assumed, memory unchecked
+        return {"CPU": float(os.cpu_count() or 1), "GPU": 0.0, "memory": float("inf")}
 
 
 def check_fits_this_machine(checked: Preflight, source: str) -> None:
     """Check that the replicas the config starts with fit a local Ray cluster on this machine
-    (`starting_resources` against `local_cluster_resources`), CPUs and GPUs only: call it when
+    (`starting_resources` against `local_cluster_resources`): CPUs, GPUs and Ray's `memory`
+    resource (`ray_actor_options.memory`, bytes; Ray schedules by it, so a replica asking for
+    more than the node's stays pending as one asking for a missing GPU does). Call it when
     `lmserve` will start that cluster. Ray would otherwise leave the replicas pending and the
     start-up watcher would name them after `LMSERVE_SCHEDULE_TIMEOUT_S` (60 s).
 
@@ -487,21 +492,26 @@ def check_fits_this_machine(checked: Preflight, source: str) -> None:
     """
     rows = starting_resources(checked.targets)
     machine = local_cluster_resources()
-    total = {name: sum(replicas * ask.get(name, 0) for _, _, replicas, ask in rows) for name in ("CPU", "GPU")}
-    short = [name for name in ("CPU", "GPU") if total[name] > machine[name] + 1e-9]
+    checked_resources = ("CPU", "GPU", "memory")
+    total = {name: sum(replicas * ask.get(name, 0) for _, _, replicas, ask in rows) for name in checked_resources}
+    short = [name for name in checked_resources if total[name] > machine[name] + 1e-9]
     if not short:
         return
 
-    def number(value: float) -> str:
-        return f"{value:g}"
+    def number(name: str, value: float) -> str:
+        return f"{value / 2**30:.1f} GiB" if name == "memory" else f"{value:g}"
+
+    def amounts(values: dict[str, float], names) -> str:
+        return ", ".join(f"{number(k, values[k])} {k}" if k != "memory" else f"{number(k, values[k])} of memory"
+                         for k in names)
 
     parts = []
     for app, deployment, replicas, ask in rows:
-        shown = ", ".join(f"{k}: {number(v)}" for k, v in ask.items() if k in ("CPU", "GPU"))
+        shown = ", ".join(f"{k}: {number(k, v)}" for k, v in ask.items() if k in checked_resources)
         if replicas and shown:
             parts.append(f"{app}/{deployment}: {replicas} x {{{shown}}}")
     raise ConfigError(
-        f"{source}: the replicas it starts ask for {', '.join(f'{number(total[k])} {k}' for k in short)} in all, "
-        f"and this machine has {', '.join(f'{number(machine[k])} {k}' for k in short)} for a local Ray cluster "
+        f"{source}: the replicas it starts ask for {amounts(total, short)} in all, "
+        f"and this machine has {amounts(machine, short)} for a local Ray cluster "
         f"({'; '.join(parts)}); lower `num_replicas`/`min_replicas` or `ray_actor_options` in the models' "
         f"`deployment`, or run it on a Ray cluster that has them (RAY_ADDRESS)")
