@@ -17,6 +17,7 @@ from engines.sglang.server_process import free_port
 from engines.config import ConfigError, load_config_file, parse_overrides
 
 LMSERVE = [sys.executable, "-m", "deployments.cli.main"]
+NONREAPING_INIT = Path(__file__).parent / "standins" / "nonreaping_init.py"
 LF_YAML = "model_name_or_path: smollm2\ntemplate: smollm2\ninfer_backend: huggingface\nfinetuning_type: lora\n"
 
 
@@ -157,15 +158,24 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
     env = {**os.environ, "API_PORT": str(free_port()), "API_HOST": "0.0.0.0", "API_KEY": "cli-key",
            "API_MODEL_NAME": "my-sft"}
     log = lf_config.parent / "api.log"
+    # under a PID 1 that does not reap, as in a container whose entry point is a shell: lmserve
+    # must reap its own tree (issue 40 item 8: two zombies were left after a SIGTERM)
     with log.open("w") as out:
-        proc = subprocess.Popen(LMSERVE + ["api", str(lf_config), "--host", "127.0.0.1", "--port", str(port),
-                                           "do_sample=false"], env=env,
+        init = subprocess.Popen([sys.executable, str(NONREAPING_INIT), "8", *LMSERVE, "api", str(lf_config),
+                                 "--host", "127.0.0.1", "--port", str(port), "do_sample=false"], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        import psutil
+
+        deadline = time.monotonic() + 30
+        while not psutil.Process(init.pid).children():
+            assert time.monotonic() < deadline and init.poll() is None, log.read_text()
+            time.sleep(0.1)
+        proc = psutil.Process(init.pid).children()[0]  # lmserve api
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="cli-key", max_retries=0, timeout=60)
         deadline = time.monotonic() + 240
         while True:
-            assert proc.poll() is None, "lmserve api exited"
+            assert init.poll() is None, "lmserve api exited"
             try:
                 resp = client.chat.completions.create(
                     model="my-sft", messages=[{"role": "user", "content": "What is the capital of France?"}])
@@ -178,7 +188,7 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
         # One ready line: where the API answers and where Prometheus scrapes this node's metrics.
         deadline = time.monotonic() + 60  # Serve's status may say RUNNING a moment after the first answer
         while not (ready := [line for line in log.read_text().splitlines() if line.startswith("lmserve: ready: ")]):
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline and init.poll() is None, log.read_text()[-2000:]
             time.sleep(0.5)
         assert len(ready) == 1 and f"model 'my-sft' on http://127.0.0.1:{port}/v1" in ready[0], ready
         metrics_url = ready[0].split("Prometheus metrics: ")[1].split(";")[0]
@@ -201,17 +211,35 @@ def test_api_serves_a_llamafactory_yaml(lf_config, model_dir):
             f"http://127.0.0.1:{port}/v1; Ray cluster " in lines[0], lines
         assert lines[1:] == ["  application 'lmserve': RUNNING",
                              "    deployment 'ModelServer:my-sft': HEALTHY, replicas: 1 running"], lines
-        proc.send_signal(signal.SIGTERM)  # to the main process only: it drains and stops, as `lmserve serve`
-        assert proc.wait(120) == 0
+        # Its process tree (the local Ray cluster: GCS, raylet, dashboard, workers, HAProxy)
+        descendants = proc.children(recursive=True)
+        assert len(descendants) > 3, descendants
+        init.send_signal(signal.SIGTERM)  # passed to lmserve alone: it drains and stops, as `lmserve serve`
+        _, alive = psutil.wait_procs([proc], timeout=120)
+        assert not alive
+        exited = time.monotonic()
+        # Nothing left behind: 5 s after it exits, none of its processes runs or is a zombie
+        # (is_running compares start times, so a reused PID is not counted)
+        time.sleep(max(0.0, exited + 5 - time.monotonic()))
+        left = []
+        for child in descendants:
+            try:
+                if child.is_running():
+                    left.append((child.pid, child.status(), child.name()))
+            except psutil.NoSuchProcess:
+                pass
+        assert left == [], left
+        assert init.wait(60) == 0  # lmserve's own exit status
         lines = log.read_text().splitlines()
         assert lines[-2:] == ["lmserve: draining in-flight requests...", "lmserve: stopped"], lines
     finally:
-        if proc.poll() is None:  # a failed assertion above: stop it with its Ray cluster
-            os.killpg(proc.pid, signal.SIGINT)
+        if init.poll() is None:  # a failed assertion above: stop it with its Ray cluster
+            os.killpg(init.pid, signal.SIGINT)
             try:
-                proc.wait(60)
+                init.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(init.pid, signal.SIGKILL)
+                init.wait(10)
 
 
 def _serve_config(tmp_path, name: str) -> Path:
