@@ -27,6 +27,8 @@ _SECTIONS = [
     ("Generation defaults", lambda name: name in ("do_sample", "temperature", "top_p", "top_k", "max_new_tokens",
                                                   "repetition_penalty", "skip_special_tokens")),
     ("huggingface backend", lambda name: name.startswith("hf_")),
+    ("Quantization (huggingface backend)", lambda name: name.startswith("quantization_")
+     or name == "double_quantization"),
     ("Images (vision-language models)", lambda name: name.startswith("image_")),
     ("vllm backend", lambda name: name.startswith("vllm_")
      or name in ("tensor_parallel_size", "pipeline_parallel_size")),
@@ -130,7 +132,7 @@ def render() -> str:
     from deployments.app import AppArgs, ModelEntry
     from deployments.serve.deployment_defaults import AUTOSCALING_DEFAULTS, INGRESS_DEPLOYMENT_DEFAULTS
     from deployments.settings import IngressFields, Settings
-    from engines.config import _INERT_FIELDS, _REFUSED_LF_FIELDS, flat_fields
+    from engines.config import _INERT_FIELDS, flat_fields
     from engines.prompt.media import MediaSettings
 
     engine_fields = {name: f for name, f in flat_fields().items() if name != "extra_inert"}
@@ -204,13 +206,7 @@ def render() -> str:
         "LLaMA-Factory fields that do not change how a model is served (training, export and hub",
         "switches). They are accepted so that LLaMA-Factory YAMLs load unchanged; a value other than the",
         "default is logged as a warning:",
-        ", ".join(f"`{name}`" for name in _INERT_FIELDS if name not in _REFUSED_LF_FIELDS) + ".",
-        "",
-        "### Refused when set",
-        "",
-        "LLaMA-Factory fields that would change the served model in a way lmserve does not build:",
-        "",
-        *(f"- `{name}`: {why}." for name, why in _REFUSED_LF_FIELDS.items()),
+        ", ".join(f"`{name}`" for name in _INERT_FIELDS) + ".",
         "",
         "## Deployment options",
         "",

@@ -65,11 +65,6 @@ _INERT_FIELDS: dict[str, Any] = {
     "ms_hub_token": None,
     "om_hub_token": None,
     "print_param_status": False,
-    "quantization_method": "bnb",
-    "quantization_bit": None,
-    "quantization_type": "nf4",
-    "double_quantization": True,
-    "quantization_device_map": None,
     "image_do_pan_and_scan": False,
     "crop_to_patches": False,
     "video_max_pixels": 256 * 256,
@@ -83,15 +78,6 @@ _INERT_FIELDS: dict[str, Any] = {
     "length_penalty": 1.0,
     "finetuning_type": "lora",
     "cutoff_len": 2048,
-}
-
-# LLaMA-Factory fields that change the served model but that lmserve does not build: a value
-# other than the default is refused, naming the field, rather than accepted and ignored.
-_REFUSED_LF_FIELDS: dict[str, str] = {
-    "quantization_bit": "on-the-fly quantization (LLaMA-Factory's bitsandbytes/HQQ/EETQ at load time) is not "
-                        "built in lmserve, and the model would load in full precision; serve a checkpoint "
-                        "quantized ahead of time (GPTQ, AWQ, FP8: the vllm and sglang backends load them) or "
-                        "leave quantization_bit unset",
 }
 
 # LLaMA-Factory's KTransformers *training* options (GPU-side LoRA experts, online conversion of
@@ -307,6 +293,23 @@ class EngineConfig(BaseModel):
         "(vLLM's `--reasoning-parser`). `false`: the thought stays inside `content`, as LLaMA-Factory's API "
         "returns it.")
 
+    # --- on-the-fly quantization (LLaMA-Factory QuantizationArguments), huggingface backend ---
+    quantization_bit: Literal[4, 8] | None = Field(
+        None, description="Quantize the weights as they load, with bitsandbytes (LLaMA-Factory's `bnb` "
+        "method: 8-bit LLM.int8, or 4-bit with `quantization_type` and `double_quantization`, computing in "
+        "`infer_dtype`); on CPU too. huggingface backend only: vllm and sglang refuse it (serve a checkpoint "
+        "quantized ahead of time, GPTQ/AWQ/FP8, there). Ignored with a warning for a checkpoint that is "
+        "already quantized, as LLaMA-Factory does. With it, at most one adapter (LLaMA-Factory's rule).")
+    quantization_method: Literal["bnb"] = Field(
+        "bnb", description="LLaMA-Factory's on-the-fly method; `bnb` (bitsandbytes) is built, `hqq` and `eetq` "
+        "are not.")
+    quantization_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type (bitsandbytes).")
+    double_quantization: bool = Field(True, description="4-bit: quantize the quantization constants too "
+                                      "(bitsandbytes).")
+    quantization_device_map: Literal["auto"] | None = Field(
+        None, description="LLaMA-Factory's `auto` spreads a 4-bit model over several GPUs; a huggingface "
+        "replica serves on one device, so only unset is accepted.")
+
     # lmserve: continuous batching on the huggingface backend (LLaMA-Factory serves one at a time).
     hf: HuggingfaceArgs = Field(default_factory=HuggingfaceArgs, description="huggingface backend: `hf_*`.")
 
@@ -384,10 +387,24 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _warn_inert(self) -> "EngineConfig":
         for name, value in self.extra_inert.items():
-            if name in _REFUSED_LF_FIELDS and value != _INERT_FIELDS[name]:
-                raise ValueError(f"{name}={value!r}: {_REFUSED_LF_FIELDS[name]}")
             if value != _INERT_FIELDS[name]:
                 logger.warning("config field %r=%r has no effect in lmserve", name, value)
+        return self
+
+    @model_validator(mode="after")
+    def _check_quantization(self) -> "EngineConfig":
+        if self.quantization_device_map is not None:
+            raise ValueError("quantization_device_map: 'auto' spreads a model over several GPUs; a huggingface "
+                             "replica serves on one device: leave it unset")
+        if self.quantization_bit is None:
+            return self
+        if self.infer_backend != "huggingface":
+            raise ValueError(f"quantization_bit: on-the-fly quantization (bitsandbytes) is built on the huggingface "
+                             f"backend only; infer_backend {self.infer_backend!r} loads checkpoints quantized "
+                             f"ahead of time (GPTQ, AWQ, FP8): serve one, or leave quantization_bit unset")
+        if len(self.adapters) > 1:  # LLaMA-Factory: "Quantized model only accepts a single adapter."
+            raise ValueError("quantization_bit: a quantized model takes at most one adapter in "
+                             "adapter_name_or_path (LLaMA-Factory's rule); merge them first")
         return self
 
     @model_validator(mode="after")

@@ -47,15 +47,6 @@ def test_unknown_field_is_rejected_by_name():
         EngineConfig.from_dict({"infer_backend": "tensorrt"}, source="my.yaml")
 
 
-def test_quantization_bit_is_refused_not_ignored():
-    """Issue 40 item 4: `quantization_bit: 4` was logged as "has no effect" and the model loaded
-    in full precision; on-the-fly quantization is not built, so the field is refused by name."""
-    with pytest.raises(ConfigError, match=r"my.yaml: .*quantization_bit=4: on-the-fly quantization .* not built"):
-        EngineConfig.from_dict({"quantization_bit": 4}, source="my.yaml")
-    cfg = EngineConfig.from_dict({"quantization_bit": None, "quantization_type": "fp4"})  # inert alone
-    assert cfg.extra_inert == {"quantization_bit": None, "quantization_type": "fp4"}
-
-
 def test_chunked_prefill_size_is_positive_or_minus_one():
     assert EngineConfig().hf.chunked_prefill_size == 512
     assert EngineConfig(hf_chunked_prefill_size=-1).hf.chunked_prefill_size == -1

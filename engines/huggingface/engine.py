@@ -137,7 +137,12 @@ class HuggingFaceEngine(Engine):
             # A vision-language model (LLaVA, Idefics3, ...) loads with its vision tower.
             self._accepts_images = getattr(model_config, "vision_config", None) is not None
             auto_class = AutoModelForImageTextToText if self._accepts_images else AutoModelForCausalLM
-            model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=self.config.trust_remote_code)
+            quantization = self._quantization(model_config, dtype)
+            model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=self.config.trust_remote_code,
+                                               **({"quantization_config": quantization, "device_map": {"": device}}
+                                                  if quantization is not None else {}))
+        except ModelLoadError:
+            raise
         except Exception as exc:
             raise ModelLoadError(f"could not load model from {path!r}: {type(exc).__name__}: {exc}") from exc
         # Qwen2-VL and kin compute 3-D rotary positions for images (`get_rope_index`).
@@ -145,7 +150,8 @@ class HuggingFaceEngine(Engine):
                                                    for m in model.modules())
         use_gqa_attention(model)  # no KV cache copies per step on CPU (engines/huggingface/attention.py)
         model = self._load_adapters(model)
-        self._model = model.to(device).eval()
+        # a bitsandbytes model is placed as it loads (device_map) and refuses `.to`
+        self._model = (model if getattr(model, "is_quantized", False) else model.to(device)).eval()
         try:
             gen_config = GenerationConfig.from_pretrained(path)
             eos = gen_config.eos_token_id
@@ -157,6 +163,36 @@ class HuggingFaceEngine(Engine):
         self._info = ModelInfo(max_model_len=int(max_len), dtype=str(dtype).removeprefix("torch."),
                                device=device)
         logger.info("loaded %s on %s as %s", path, device, dtype)
+
+    def _quantization(self, model_config: Any, dtype: Any) -> Any:
+        """The `BitsAndBytesConfig` of `quantization_bit` (None when unset), built as LLaMA-Factory
+        0.9.5 builds it (`model_utils/quantization.py`, `configure_quantization`): 8-bit is
+        `load_in_8bit`; 4-bit computes and stores in the model's dtype with `quantization_type`
+        and `double_quantization`. A checkpoint that is already quantized (a `quantization_config`
+        in its config) loads as it is, with a warning, as LLaMA-Factory does.
+
+        Raises:
+            ModelLoadError: bitsandbytes is not installed.
+        """
+        bits = self.config.quantization_bit
+        if bits is None:
+            return None
+        if getattr(model_config, "quantization_config", None):
+            logger.warning("quantization_bit=%s has no effect on a checkpoint that is already quantized (%s)",
+                           bits, self.config.model_name_or_path)
+            return None
+        try:
+            import bitsandbytes  # noqa: F401 - transformers' quantizer needs it; say so by name
+        except ImportError as exc:
+            raise ModelLoadError(f"quantization_bit={bits} needs bitsandbytes: pip install 'bitsandbytes>=0.47' "
+                                 f"({exc})") from exc
+        from transformers import BitsAndBytesConfig
+
+        if bits == 8:
+            return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype,
+                                  bnb_4bit_use_double_quant=self.config.double_quantization,
+                                  bnb_4bit_quant_type=self.config.quantization_type, bnb_4bit_quant_storage=dtype)
 
     def _load_adapters(self, model: Any) -> Any:
         """Wrap `model` with every LoRA adapter (peft), each under its own name, plus one adapter
