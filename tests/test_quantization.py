@@ -39,8 +39,10 @@ def test_the_quantization_fields_are_lmserve_fields_with_llamafactorys_defaults(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_greedy_answers_equal_llamafactorys_load_and_generate(bits, model_dir, renderer):
+@pytest.mark.parametrize("bits, adapter", [(8, False), (4, False), (4, True)])
+def test_quantized_greedy_answers_equal_llamafactorys_load_and_generate(bits, adapter, model_dir, renderer, request):
+    """With an adapter, LLaMA-Factory does not merge it into a quantized model (`init_adapter`:
+    not mergeable): it wraps the model in peft's `PeftModel`, as the oracle does here."""
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -55,18 +57,26 @@ def test_quantized_greedy_answers_equal_llamafactorys_load_and_generate(bits, mo
         bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage=torch.float32)
     oracle = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=quantization,
                                                   device_map={"": "cpu"})
-    expected = oracle.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    lora_dir = request.getfixturevalue("lora_dir") if adapter else None
+    if adapter:
+        from peft import PeftModel
+
+        oracle = PeftModel.from_pretrained(oracle, lora_dir)
+    footprint = (oracle.get_base_model() if adapter else oracle).get_memory_footprint()
+    expected = oracle.generate(input_ids=torch.tensor([ids]), max_new_tokens=24,
+                               do_sample=False)[0, len(ids):].tolist()
     full = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    footprint = oracle.get_memory_footprint()
     assert footprint < 0.5 * full.get_memory_footprint()  # quantized for real
 
     async def served() -> tuple[list[int], int]:
-        engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), quantization_bit=bits))
+        engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), quantization_bit=bits,
+                                                adapter_name_or_path=str(lora_dir) if adapter else None))
         await engine.start()
         try:
             deltas = await collect(engine, GenerationRequest("q", ids, SamplingParams(max_tokens=24, temperature=0,
                                                                                       logprobs=0)))
-            return [lp.token_id for d in deltas for lp in (d.logprobs or [])], engine._model.get_memory_footprint()
+            model = engine._model.get_base_model() if adapter else engine._model
+            return [lp.token_id for d in deltas for lp in (d.logprobs or [])], model.get_memory_footprint()
         finally:
             await engine.shutdown()
 
