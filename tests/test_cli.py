@@ -456,10 +456,36 @@ def test_check_api_and_serve_refuse_replicas_this_machine_cannot_hold(tmp_path):
                         r"memory in all, and this machine has \d+\.\d GiB of memory for a local Ray cluster "
                         rf"\(a/ModelServer:m: 1 x \{{CPU: 1, memory: {ask / 2**30:.1f} GiB\}}\); lower .*",
                         proc.stderr.strip()), proc.stderr
-    # On a cluster (RAY_ADDRESS), the cluster's resources decide: the start-up watcher reports.
+    # On a cluster (RAY_ADDRESS), the cluster decides (it may grow): asked where it answers
+    # (the slow test_check_asks_the_cluster_it_would_join), named as not checked where it does not
+    unused = free_port()
     proc = subprocess.run(LMSERVE + ["check", str(config)], capture_output=True, text=True, timeout=120,
-                          env={**env, "RAY_ADDRESS": "10.0.0.1:6379"})
+                          env={**env, "RAY_ADDRESS": f"127.0.0.1:{unused}"})
     assert proc.returncode == 0 and proc.stdout.strip() == "a: m -> smollm2 (huggingface)", proc.stderr
+    assert proc.stderr.strip() == (f"lmserve: note: {config}: the Ray cluster's resources were not checked (it "
+                                   f"could not be asked: 127.0.0.1:{unused}: Connection refused)")
+
+
+@pytest.mark.slow
+def test_check_asks_the_cluster_it_would_join(tmp_path, serve_url):
+    """Issue 40 item 3, with an address: `check` asks the cluster for its nodes, and a starting ask
+    it does not have now is a warning (the cluster's autoscaler may add nodes), not a refusal."""
+    import ray
+
+    config = _serve_config_of(tmp_path, "models: [{model_id: m, deployment: {num_replicas: 2, "
+                                        "ray_actor_options: {num_cpus: 32}}}]")
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    proc = subprocess.run(LMSERVE + ["check", str(config)], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "a: m -> smollm2 (huggingface)", proc.stderr
+    cpus = ray.cluster_resources()["CPU"]
+    assert proc.stderr.strip() == (f"lmserve: warning: {config}: the replicas it starts ask for 64 CPU in all, and "
+                                   f"the Ray cluster has {cpus:g} CPU on its 1 node(s) now; they stay pending unless "
+                                   "its autoscaler adds nodes"), proc.stderr
+    (tmp_path / "fits").mkdir()
+    fits = _serve_config_of(tmp_path / "fits",
+                            "models: [{model_id: m, deployment: {ray_actor_options: {num_cpus: 1}}}]")
+    proc = subprocess.run(LMSERVE + ["check", str(fits)], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
 
 
 def _serve_config_of(tmp_path, args: str) -> Path:

@@ -23,7 +23,7 @@ from typing import Any
 
 from deployments.cluster.env import (PortsInUseError, apply_own_serve_ports_if_taken, apply_ray_high_throughput_env,
                                      apply_ray_loopback_env, move_api_key_to_file)
-from deployments.cli.preflight import check_fits_this_machine, check_model_sources, preflight
+from deployments.cli.preflight import check_fits_cluster, check_fits_this_machine, check_model_sources, preflight
 from deployments.settings import settings
 from engines.config import ConfigError, load_config_file
 
@@ -521,11 +521,14 @@ def _check(args: argparse.Namespace) -> int:
     """Check a Ray Serve config, or a LLaMA-Factory inference YAML (a file without
     `applications`) with its `key=value` overrides, as `serve` and `api` check it before they
     start (`preflight`), and, where they would start a local Ray cluster (no `RAY_ADDRESS`, no
-    `ray start` cluster), that its replicas fit this machine (`check_fits_this_machine`); print
-    one line per model."""
+    `ray start` cluster), that its replicas fit this machine (`check_fits_this_machine`), and
+    otherwise asks the cluster (`check_fits_cluster`: a warning where it is short now); print one
+    line per model."""
     checked = preflight(args.config, args.overrides)
     if _ray_init_starts_a_local_cluster():
         check_fits_this_machine(checked, args.config)
+    elif (line := check_fits_cluster(checked, args.config)) is not None:
+        print(f"lmserve: {line}", file=sys.stderr)
     print("\n".join(checked.models))
     return 0
 

@@ -515,3 +515,65 @@ def check_fits_this_machine(checked: Preflight, source: str) -> None:
         f"and this machine has {amounts(machine, short)} for a local Ray cluster "
         f"({'; '.join(parts)}); lower `num_replicas`/`min_replicas` or `ray_actor_options` in the models' "
         f"`deployment`, or run it on a Ray cluster that has them (RAY_ADDRESS)")
+
+
+_CLUSTER_NODES_PROBE = """
+import json, logging
+import ray
+ray.init(log_to_driver=False, logging_level=logging.ERROR)
+print(json.dumps([node["Resources"] for node in ray.nodes() if node["Alive"]]))
+"""
+
+
+def check_fits_cluster(checked: Preflight, source: str, timeout_s: float = 60) -> str | None:
+    """Ask the Ray cluster that `ray.init()` joins (`RAY_ADDRESS`, or this machine's `ray start`
+    cluster) for its alive nodes' resources, in a process of its own (a driver that joins and
+    leaves; bounded by `timeout_s`), and compare the replicas' starting ask
+    (`starting_resources`) with the cluster's CPUs, GPUs and memory in all.
+
+    A cluster can grow (Ray's autoscaler, KubeRay) where a machine cannot, so a shortfall is a
+    warning, not a refusal: the line says what is missing and that the replicas stay pending
+    unless nodes are added.
+
+    Returns:
+        The warning line, or None when the ask fits. A cluster that cannot be asked (unreachable,
+        an auth token missing, the probe timed out) gives a line saying it was not checked.
+    """
+    import json
+    import socket
+    import subprocess
+
+    address = os.environ.get("RAY_ADDRESS", "")
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit() and "://" not in address:  # a GCS address: a driver would wait a minute on it
+        try:
+            socket.create_connection((host, int(port)), timeout=3).close()
+        except OSError as exc:
+            return (f"note: {source}: the Ray cluster's resources were not checked (it could not be asked: "
+                    f"{address}: {exc.strerror or exc})")
+    try:
+        probe = subprocess.run([sys.executable, "-c", _CLUSTER_NODES_PROBE], capture_output=True, text=True,
+                               timeout=timeout_s)
+        nodes = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else None
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError, OSError) as exc:
+        probe, nodes = exc, None
+    if nodes is None:
+        why = (f"no answer within {timeout_s:g} s" if isinstance(probe, subprocess.TimeoutExpired)
+               else (getattr(probe, "stderr", "") or str(probe)).strip().splitlines()[-1:] or ["no answer"])
+        return (f"note: {source}: the Ray cluster's resources were not checked (it could not be asked: "
+                f"{why if isinstance(why, str) else why[0]})")
+    names = ("CPU", "GPU", "memory")
+    cluster = {name: sum(node.get(name, 0) for node in nodes) for name in names}
+    rows = starting_resources(checked.targets)
+    total = {name: sum(replicas * ask.get(name, 0) for _, _, replicas, ask in rows) for name in names}
+    short = [name for name in names if total[name] > cluster[name] + 1e-9]
+    if not short:
+        return None
+
+    def amount(name: str, value: float) -> str:
+        return f"{value / 2**30:.1f} GiB of memory" if name == "memory" else f"{value:g} {name}"
+
+    return (f"warning: {source}: the replicas it starts ask for {', '.join(amount(k, total[k]) for k in short)} "
+            f"in all, and the Ray cluster has {', '.join(amount(k, cluster[k]) for k in short)} on its "
+            f"{len(nodes)} node(s) now; they stay pending unless its autoscaler adds nodes")
+
