@@ -543,25 +543,25 @@ def check_fits_cluster(checked: Preflight, source: str, timeout_s: float = 60) -
     import socket
     import subprocess
 
+    def not_checked(why: str) -> str:
+        return f"note: {source}: the Ray cluster's resources were not checked (it could not be asked: {why})"
+
     address = os.environ.get("RAY_ADDRESS", "")
     host, _, port = address.rpartition(":")
     if host and port.isdigit() and "://" not in address:  # a GCS address: a driver would wait a minute on it
         try:
             socket.create_connection((host, int(port)), timeout=3).close()
         except OSError as exc:
-            return (f"note: {source}: the Ray cluster's resources were not checked (it could not be asked: "
-                    f"{address}: {exc.strerror or exc})")
+            return not_checked(f"{address}: {exc.strerror or exc}")
     try:
         probe = subprocess.run([sys.executable, "-c", _CLUSTER_NODES_PROBE], capture_output=True, text=True,
                                timeout=timeout_s)
-        nodes = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else None
-    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError, OSError) as exc:
-        probe, nodes = exc, None
-    if nodes is None:
-        why = (f"no answer within {timeout_s:g} s" if isinstance(probe, subprocess.TimeoutExpired)
-               else (getattr(probe, "stderr", "") or str(probe)).strip().splitlines()[-1:] or ["no answer"])
-        return (f"note: {source}: the Ray cluster's resources were not checked (it could not be asked: "
-                f"{why if isinstance(why, str) else why[0]})")
+    except subprocess.TimeoutExpired:
+        return not_checked(f"no answer within {timeout_s:g} s")
+    try:
+        nodes = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return not_checked((probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1])
     names = ("CPU", "GPU", "memory")
     cluster = {name: sum(node.get(name, 0) for node in nodes) for name in names}
     rows = starting_resources(checked.targets)
