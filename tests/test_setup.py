@@ -68,14 +68,24 @@ def test_sglang_and_ktransformers_on_a_gpu_get_their_own_environment(tmp_path):
     kt = setup.setup_plan("ktransformers", "cuda")
     assert kt[1][-1] == f"ktransformers[sglang]=={setup.KTRANSFORMERS_VERSION}"
     assert kt[0][-1].startswith(str(setup.venv_cache()))
-    with pytest.raises(ValueError, match="NVIDIA GPUs only"):
+    with pytest.raises(ValueError, match=r"NVIDIA GPUs only.*`--device cuda` installs it"):
         setup.setup_plan("ktransformers", "cpu")
+    with pytest.raises(ValueError, match="--dir places the environment of sglang on cuda"):
+        setup.setup_plan("sglang", "cpu", tmp_path / "ignored")
 
 
 def test_the_cli_prints_its_commands_stops_at_a_failure_and_names_the_config_lines(monkeypatch, capsys, tmp_path):
     assert main(["setup", "vllm", "--device", "cpu", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "setting up vllm for cpu" in out and "+ " + sys.executable + " -m pip install" in out
+    # the SGLang CPU build's dry run says where its environment is and how to serve with it
+    monkeypatch.setenv("LMSERVE_VENV_CACHE", str(tmp_path / "cache"))
+    assert main(["setup", "sglang", "--device", "cpu", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"SGLang's CPU environment {re.escape(str(tmp_path))}/cache/sglang-cpu-[0-9a-f]{{12}} would be "
+                     r"built .*\n  infer_backend: sglang\n  sglang_launch_command: \[.*/bin/python, -m, "
+                     r"sglang.launch_server\]\n  sglang_device: cpu", out), out
+    assert not (tmp_path / "cache").exists()
     assert main(["setup", "ktransformers", "--device", "cpu"]) == 2
     assert "NVIDIA GPUs only" in capsys.readouterr().err
 

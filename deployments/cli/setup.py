@@ -85,9 +85,14 @@ def setup_plan(backend: str, device: str, directory: Path | None = None) -> list
                 [sys.executable, "-m", "pip", "uninstall", "-y", *VLLM_CPU_UNINSTALL],
                 _import_check(sys.executable, "vllm")]
     if backend == "sglang" and device == "cpu":
+        if directory is not None:
+            raise ValueError("--dir places the environment of sglang on cuda and of ktransformers; SGLang's CPU "
+                             "environment lives under $LMSERVE_VENV_CACHE (~/.cache/lmserve/venvs), named by the "
+                             "hash of its pins")
         return [["bash", str(SGLANG_CPU_BUILD)]]
     if backend == "ktransformers" and device == "cpu":
-        raise ValueError("ktransformers serves on NVIDIA GPUs only (kt-kernel); on a CPU use infer_backend: sglang")
+        raise ValueError("ktransformers serves on NVIDIA GPUs only (kt-kernel); on a CPU use infer_backend: sglang "
+                         "(`--device cuda` installs it for a GPU machine)")
     name = {"sglang": f"sglang-cuda-{SGLANG_VERSION}", "ktransformers": f"sglang-kt-{KTRANSFORMERS_VERSION}"}[backend]
     venv = directory or venv_cache() / name
     package = f"sglang=={SGLANG_VERSION}" if backend == "sglang" else f"ktransformers[sglang]=={KTRANSFORMERS_VERSION}"
@@ -125,6 +130,11 @@ def run_setup(args: argparse.Namespace) -> int:
     for command in plan:
         print("+ " + shlex.join(command), flush=True)
         if args.dry_run:
+            if command[0] == "bash":  # the SGLang CPU build: where its environment is, built or not
+                where = subprocess.run([*command, "--path"], capture_output=True, text=True).stdout.strip()
+                state = "exists and would be reused" if Path(where).is_file() else "would be built (about 10 min)"
+                print(f"lmserve: SGLang's CPU environment {Path(where).parent.parent} {state}; then serve with:\n"
+                      + launch_lines(args.backend, device, where))
             continue
         if command[0] == "bash":  # the SGLang CPU build prints its environment's python last
             done = subprocess.run(command, stdout=subprocess.PIPE, text=True)

@@ -162,7 +162,9 @@ class HuggingFaceEngine(Engine):
         max_len = getattr(model_config.get_text_config(), "max_position_embeddings", None) or 4096
         self._info = ModelInfo(max_model_len=int(max_len), dtype=str(dtype).removeprefix("torch."),
                                device=device)
-        logger.info("loaded %s on %s as %s", path, device, dtype)
+        quantized = (f", weights quantized to {self.config.quantization_bit} bits (bitsandbytes)"
+                     if getattr(model, "is_quantized", False) and self.config.quantization_bit else "")
+        logger.info("loaded %s on %s as %s%s", path, device, dtype, quantized)
 
     def _quantization(self, model_config: Any, dtype: Any) -> Any:
         """The `BitsAndBytesConfig` of `quantization_bit` (None when unset), built as LLaMA-Factory
