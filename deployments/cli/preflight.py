@@ -478,6 +478,21 @@ def local_cluster_resources() -> dict[str, float]:
         return {"CPU": float(os.cpu_count() or 1), "GPU": 0.0, "memory": float("inf")}
 
 
+_CHECKED_RESOURCES = ("CPU", "GPU", "memory")
+
+
+def _shortfall(rows: list[tuple[str, str, int, dict[str, float]]],
+               have: dict[str, float]) -> tuple[dict[str, float], list[str]]:
+    """The starting ask of `starting_resources` rows in all, and the resources of which it is
+    more than `have`."""
+    total = {name: sum(replicas * ask.get(name, 0) for _, _, replicas, ask in rows) for name in _CHECKED_RESOURCES}
+    return total, [name for name in _CHECKED_RESOURCES if total[name] > have[name] + 1e-9]
+
+
+def _amount(name: str, value: float) -> str:
+    return f"{value / 2**30:.1f} GiB of memory" if name == "memory" else f"{value:g} {name}"
+
+
 def check_fits_this_machine(checked: Preflight, source: str) -> None:
     """Check that the replicas the config starts with fit a local Ray cluster on this machine
     (`starting_resources` against `local_cluster_resources`): CPUs, GPUs and Ray's `memory`
@@ -492,9 +507,8 @@ def check_fits_this_machine(checked: Preflight, source: str) -> None:
     """
     rows = starting_resources(checked.targets)
     machine = local_cluster_resources()
-    checked_resources = ("CPU", "GPU", "memory")
-    total = {name: sum(replicas * ask.get(name, 0) for _, _, replicas, ask in rows) for name in checked_resources}
-    short = [name for name in checked_resources if total[name] > machine[name] + 1e-9]
+    checked_resources = _CHECKED_RESOURCES
+    total, short = _shortfall(rows, machine)
     if not short:
         return
 
@@ -502,8 +516,7 @@ def check_fits_this_machine(checked: Preflight, source: str) -> None:
         return f"{value / 2**30:.1f} GiB" if name == "memory" else f"{value:g}"
 
     def amounts(values: dict[str, float], names) -> str:
-        return ", ".join(f"{number(k, values[k])} {k}" if k != "memory" else f"{number(k, values[k])} of memory"
-                         for k in names)
+        return ", ".join(_amount(k, values[k]) for k in names)
 
     parts = []
     for app, deployment, replicas, ask in rows:
@@ -562,18 +575,11 @@ def check_fits_cluster(checked: Preflight, source: str, timeout_s: float = 60) -
         nodes = json.loads(probe.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
         return not_checked((probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1])
-    names = ("CPU", "GPU", "memory")
-    cluster = {name: sum(node.get(name, 0) for node in nodes) for name in names}
-    rows = starting_resources(checked.targets)
-    total = {name: sum(replicas * ask.get(name, 0) for _, _, replicas, ask in rows) for name in names}
-    short = [name for name in names if total[name] > cluster[name] + 1e-9]
+    cluster = {name: sum(node.get(name, 0) for node in nodes) for name in _CHECKED_RESOURCES}
+    total, short = _shortfall(starting_resources(checked.targets), cluster)
     if not short:
         return None
-
-    def amount(name: str, value: float) -> str:
-        return f"{value / 2**30:.1f} GiB of memory" if name == "memory" else f"{value:g} {name}"
-
-    return (f"warning: {source}: the replicas it starts ask for {', '.join(amount(k, total[k]) for k in short)} "
-            f"in all, and the Ray cluster has {', '.join(amount(k, cluster[k]) for k in short)} on its "
+    return (f"warning: {source}: the replicas it starts ask for {', '.join(_amount(k, total[k]) for k in short)} "
+            f"in all, and the Ray cluster has {', '.join(_amount(k, cluster[k]) for k in short)} on its "
             f"{len(nodes)} node(s) now; they stay pending unless its autoscaler adds nodes")
 
