@@ -166,6 +166,13 @@ class Settings(BaseSettings, IngressFields):
         "reading then holds back the stream after about this much (plus HAProxy's own buffer), so "
         "`haproxy_timeout_client_s` starts and ends it, and the replica stops generating; the kernel's "
         "default grows to megabytes, which a slow model takes minutes to fill. 0 = the kernel's default.")
+    haproxy_tcp_user_timeout_s: int = Field(
+        30, ge=0, description="HAProxy: a client connection whose receive window stays closed (the client "
+        "reads nothing) or whose data goes unacknowledged this long (seconds) is closed by the kernel "
+        "(`tcp-ut` on the HTTP frontend's bind line, Linux's `TCP_USER_TIMEOUT`); HAProxy then closes the "
+        "replica's connection and the replica stops generating. It counts from when the client's own "
+        "buffer is full, not from when HAProxy's is, so the buffers ahead of it do not add their fill time. "
+        "0 = off (the kernel's retransmission and zero-window probing go on indefinitely).")
     haproxy_max_connections_per_source: int = Field(
         512, ge=0, description="HAProxy: connections one client address may hold at once; more are closed as "
         "they open. 0 = no limit: turn it off behind a proxy or load balancer that hides client addresses "

@@ -133,6 +133,12 @@ def test_admin_on_loopback(ray_config, tmp_path):
     assert _section(everywhere, "listen stats") == _section(ray_config, "listen stats")
 
 
+def test_client_user_timeout(ray_config, tmp_path):
+    out = _section(adapt_config(ray_config, Settings(), tmp_path), "frontend http_frontend")
+    assert re.search(r"^    bind \S+:8000 tcp-ut 30s$", out, re.M)
+    assert "tcp-ut" not in adapt_config(ray_config, Settings(haproxy_tcp_user_timeout_s=0), tmp_path)
+
+
 def test_bounded_socket_buffers(ray_config, tmp_path):
     out = _section(adapt_config(ray_config, Settings(), tmp_path), "global")
     assert "    tune.sndbuf.client 65536\n" in out and "    tune.rcvbuf.server 65536\n" in out
@@ -153,7 +159,7 @@ def test_a_changed_template_keeps_rays_lines_and_says_so(ray_config, tmp_path):
     assert log.getvalue().count("\n") == 1 and "retry_once not applied" in log.getvalue()
     assert not re.search(r"^\s*retries ", _section(out, "defaults"), re.M)  # as Ray wrote it
     assert "timeout http-request 10s" in out  # the other steps still apply
-    assert len(REWRITES) == 9
+    assert len(REWRITES) == 10
 
 
 # --- the real HAProxy through the launcher ---------------------------------------------------
@@ -162,7 +168,8 @@ def test_a_changed_template_keeps_rays_lines_and_says_so(ray_config, tmp_path):
 class _Replica(http.server.BaseHTTPRequestHandler):
     """A stand-in for a model replica's HTTP server: answers Ray's health check, echoes each
     request as JSON (`replica`, `x-request-id`, body length); `GET /stream` sends three SSE
-    events `gap` s apart. A replica whose server has `dies` closes every other request's
+    events `gap` s apart, `GET /firehose` 200-byte events (every 2 ms, or `gap` s apart) until
+    its connection is closed. A replica whose server has `dies` closes every other request's
     connection without answering, as a replica killed before its first byte."""
 
     protocol_version = "HTTP/1.1"
@@ -184,7 +191,8 @@ class _Replica(http.server.BaseHTTPRequestHandler):
         if self.server.dies:
             self.close_connection = True
             return
-        if self.path.startswith("/firehose"):  # SSE events until the connection takes no more
+        if self.path.startswith("/firehose"):  # SSE events `gap` s apart until the connection takes no more
+            gap = float(self.path.partition("gap=")[2] or 0.002)
             self.send_response(200)
             self.send_header("content-type", "text/event-stream")
             self.send_header("transfer-encoding", "chunked")
@@ -195,7 +203,7 @@ class _Replica(http.server.BaseHTTPRequestHandler):
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
                     self.wfile.flush()
                     self.server.sent += len(event)
-                    time.sleep(0.002)
+                    time.sleep(gap)
             except OSError:  # HAProxy closed the connection: the generation would be aborted
                 self.server.closed_at = time.monotonic()
             return
@@ -424,23 +432,41 @@ def test_live_stream_outlasts_the_client_timeout(start_haproxy):
     assert events == "".join(f"data: {i}\n\n" for i in range(3))
 
 
+def _never_read(port: int, path: str, wait_s: float, replica: _ReplicaServer) -> float | None:
+    """Request `path` on a socket with a 4 KiB receive buffer (as bench.attack's slow readers) and
+    never read it; seconds until `replica` saw its connection closed, None if not within `wait_s`."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        started = time.monotonic()
+        sock.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        while replica.closed_at is None and time.monotonic() < started + wait_s:
+            time.sleep(0.2)
+    return None if replica.closed_at is None else replica.closed_at - started
+
+
 def test_a_client_that_stops_reading_is_cut_off_and_the_replica_stops(start_haproxy):
     """Issue 40 item 9: a streaming client that reads nothing held its replica generating into
     the kernel's buffers (3 MB here before HAProxy's client timeout could start; minutes of a
     slow model's tokens). With bounded socket buffers the stream is held back within about
     0.3 MB, HAProxy's client timeout runs, and it closes the replica's connection."""
-    proxy, (replica,) = start_haproxy(LMSERVE_HAPROXY_TIMEOUT_CLIENT_S="2")
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # as bench.attack's slow readers
-        sock.connect(("127.0.0.1", proxy.port))
-        started = time.monotonic()
-        sock.sendall(b"GET /firehose HTTP/1.1\r\nhost: x\r\n\r\n")  # then never reads
-        deadline = started + 60
-        while replica.closed_at is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-    assert replica.closed_at is not None, f"still streaming after 60 s: {replica.sent} bytes sent"
+    proxy, (replica,) = start_haproxy(LMSERVE_HAPROXY_TIMEOUT_CLIENT_S="2", LMSERVE_HAPROXY_TCP_USER_TIMEOUT_S="0")
+    closed_after = _never_read(proxy.port, "/firehose", 60, replica)
+    assert closed_after is not None, f"still streaming after 60 s: {replica.sent} bytes sent"
     assert replica.sent < 1 << 20, replica.sent  # held back within a MB, not the kernel's megabytes
-    assert replica.closed_at - started < 30
+    assert closed_after < 30
+
+
+def test_a_slow_stream_whose_client_reads_nothing_is_cut_off_without_filling_haproxys_buffers(start_haproxy):
+    """Issue 40 item 9: at a small model's pace (about 3 KB/s of SSE) HAProxy's 128 KiB send
+    buffer takes 40 s to fill before its client timeout even starts, so a client that read
+    nothing kept its replica generating for 100 s. The client's closed receive window is what
+    `tcp-ut` (TCP_USER_TIMEOUT) times, whatever HAProxy's buffers hold."""
+    proxy, (replica,) = start_haproxy(LMSERVE_HAPROXY_TCP_USER_TIMEOUT_S="3")
+    assert re.search(r"bind 127\.0\.0\.1:\d+ tcp-ut 3s\n", _section(proxy.config.read_text(), "frontend http_frontend"))
+    closed_after = _never_read(proxy.port, "/firehose?gap=0.07", 20, replica)
+    assert closed_after is not None, f"still streaming after 20 s: {replica.sent} bytes sent"
+    assert replica.sent < 64 << 10, replica.sent
 
 
 def test_stats_and_metrics_on_loopback_and_admin_socket_owner_only(start_haproxy):

@@ -49,6 +49,11 @@ and on every reload) in place (`adapt_config`), one named step each (`REWRITES`)
   (Ray's replica decodes it as UTF-8 and answers 500 before lmserve's code runs);
 - `admin_on_loopback`: the stats page and the Prometheus endpoint listen on 127.0.0.1, the admin
   socket is the owner's alone (`mode 600`).
+- `bounded_socket_buffers`: HAProxy's client send and replica receive buffers bounded, so a client
+  that stops reading holds a stream back within a few hundred kilobytes;
+- `client_user_timeout`: `tcp-ut` on the HTTP frontend, so the kernel closes a client connection
+  whose receive window stayed closed (it reads nothing) for that long, however much of HAProxy's
+  buffers the stream has yet to fill, and the replica stops generating.
 
 A step whose lines are not in the file (Ray's template changed) leaves that part as Ray wrote it
 and says so in one line on stderr (Ray keeps HAProxy's stderr in a file beside its admin socket).
@@ -399,6 +404,21 @@ def bounded_socket_buffers(lines: list[str], s: Settings, pages: Path) -> None:
                                f"tune.rcvbuf.server {s.haproxy_socket_buffer_bytes}"])
 
 
+def client_user_timeout(lines: list[str], s: Settings, pages: Path) -> None:
+    """`tcp-ut` = `haproxy_tcp_user_timeout_s` on the HTTP frontend's bind line: Linux closes a
+    client connection whose data stayed unsent behind a closed receive window (a client that
+    reads nothing) or unacknowledged (a client that vanished) that long (`TCP_USER_TIMEOUT`,
+    zero-window included since Linux 5.11). HAProxy's `timeout client` starts only once
+    HAProxy's own send buffer is full, which a slow model's stream takes minutes to fill; the
+    window closes once the client's receive buffer is full, a few kilobytes for a client that
+    shrank it. HAProxy then closes the replica's connection and the replica aborts the
+    generation."""
+    if not s.haproxy_tcp_user_timeout_s:
+        return
+    for i in _find(lines, "frontend http_frontend", r"^\s*bind "):
+        lines[i] = re.sub(r"\s+tcp-ut \S+", "", lines[i]) + f" tcp-ut {s.haproxy_tcp_user_timeout_s}s"
+
+
 REWRITES: list[tuple[str, Callable[[list[str], Settings, Path], None]]] = [
     ("request_limits", request_limits),
     ("fresh_request_id", fresh_request_id),
@@ -409,6 +429,7 @@ REWRITES: list[tuple[str, Callable[[list[str], Settings, Path], None]]] = [
     ("unavailable_from_fallback", unavailable_from_fallback),
     ("admin_on_loopback", admin_on_loopback),
     ("bounded_socket_buffers", bounded_socket_buffers),
+    ("client_user_timeout", client_user_timeout),
 ]
 
 
