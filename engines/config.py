@@ -129,6 +129,13 @@ class HuggingfaceArgs(BackendArgs):
         512, ge=-1, description="Most prompt tokens (prompts x padded length) one prefill forward pass takes; "
         "a longer prefill runs in chunks, and the running sequences decode a token between chunks, so a long "
         "prompt does not stall them (SGLang's --chunked-prefill-size). -1 never splits a prefill.")
+    prefix_cache_tokens: int = Field(
+        -1, ge=-1, description="Automatic prefix caching: most tokens of KV kept from earlier prompts and answers "
+        "(per replica), so a prompt that starts with them (a shared system prompt, a chat's earlier turns) is "
+        "prefilled from the first token past them; hits are whole blocks of 16 tokens, per adapter; least "
+        "recently used first out. -1 = the KV that fits in 10 % of the memory (RAM on CPU, the GPU's free "
+        "memory after loading on CUDA); 0 = off. Off for models with sliding-window or recurrent cache layers, "
+        "for requests with images or `prompt_logprobs`, and with `use_kv_cache: false`.")
     batch_wait_timeout_ms: float = Field(
         50, ge=0, description="When the batch is empty, the longest a first request waits for others to join "
         "its prefill (ms); 0 admits at once.")

@@ -283,3 +283,46 @@ def test_a_cache_layer_that_cannot_be_merged_runs_each_batch_to_its_end(caplog):
     assert _mismatches(inner, client, specs) == []
     warnings = [r for r in caplog.records if "cannot merge" in r.getMessage()]
     assert len(warnings) == 1 and "_OpaqueLayer" in warnings[0].getMessage()
+
+
+# Architectures whose cache holds full-attention keys and values only: the prefix cache serves
+# them; the others turn it off at their first prefill.
+PREFIX_CACHED = {"gpt2", "llama", "qwen3_moe"}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_prefix_cache_hits_give_the_same_tokens(architecture):
+    """Prompts that share a 100-token prefix, and a next turn that sends back a finished
+    request's prompt and answer, prefilled past their cached blocks (in chunks, with n=2 and a
+    prompt without a hit in the same prefill): token for token what `generate` gives each alone."""
+    model = _model(architecture)
+    shared = _prompt(50, 100)
+    first = shared + _prompt(51, 20)
+    specs: dict[str, tuple[list[int], int]] = {"first": (first, 12)}
+
+    def schedule(client):
+        client.submit("first", first, 12)
+        client.wait()
+        specs["other"] = (shared + _prompt(52, 7), 10)
+        specs["next_turn"] = (first + client.tokens["first"][0][:-1] + _prompt(53, 9), 8)
+        specs["unrelated"] = (_prompt(54, 30), 6)
+        for name, (prompt, max_tokens) in specs.items():
+            if name != "first":
+                client.submit(name, prompt, max_tokens, n=2 if name == "next_turn" else 1)
+
+    batcher = ContinuousBatcher(model, prefix_cache_tokens=10_000, chunked_prefill_size=64)
+    client = _Client(batcher)
+    batcher.start()
+    try:
+        schedule(client)
+        client.wait()
+    finally:
+        batcher.stop()
+    found = [(name, index, tokens) for name, (prompt, max_tokens) in specs.items()
+             for index, tokens in client.tokens[name].items() if tokens != _reference(model, prompt, max_tokens)]
+    assert found == []
+    if architecture in PREFIX_CACHED:
+        # other: 96 of its 107 tokens (6 blocks); next_turn: the 128 of first's prompt and answer
+        assert batcher.prefix_cache.hit_tokens == 96 + 128
+    else:
+        assert batcher.prefix_cache is None

@@ -685,3 +685,41 @@ def test_the_batcher_wakes_an_event_loop_once_per_step_not_once_per_request(hf_e
     assert all(r[-1].usage.completion_tokens == 16 for r in results)
     # one wake-up per request per step would be 8 x 16 = 128
     assert wakeups <= steps < 8 * 16
+
+
+def test_prefix_cache_gives_the_answers_of_a_full_prefill(model_dir, renderer, hf_engine):
+    """Issue 39: chats that share a long system prompt, then a second turn of each, on the
+    default model with the prefix cache (the default, `hf_engine`) and without it: the same
+    greedy answers, and the shared prompt and first turns were served from the cache."""
+    from engines.config import EngineConfig
+    from engines.huggingface.engine import HuggingFaceEngine
+
+    system = {"role": "system", "content": " ".join(
+        f"Rule {k}: answer briefly, in plain words, and name the city you mean." for k in range(1, 25))}
+    questions = ["What is the capital of France?", "What is the capital of Italy?", "Name a big city in Japan."]
+
+    def conversation(engine):
+        first = [[system, {"role": "user", "content": q}] for q in questions]
+
+        async def turn(chats):
+            reqs = [GenerationRequest(f"p{k}", renderer.render_chat(c), SamplingParams(temperature=0, max_tokens=20))
+                    for k, c in enumerate(chats)]
+            return [text_of(d) for d in await asyncio.gather(*(collect(engine, r) for r in reqs))]
+
+        answers = run(turn(first))
+        second = [c + [{"role": "assistant", "content": a}, {"role": "user", "content": "And its population?"}]
+                  for c, a in zip(first, answers)]
+        return answers + run(turn(second))
+
+    cache = hf_engine._batcher.prefix_cache
+    hits_before = cache.hit_tokens
+    cached = conversation(hf_engine)
+    # at least the ~370-token system prompt per second turn (2304 tokens measured in all)
+    assert cache.hit_tokens - hits_before >= 3 * 300
+    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), hf_prefix_cache_tokens=0))
+    run(engine.start())
+    try:
+        assert engine._batcher.prefix_cache is None
+        assert conversation(engine) == cached
+    finally:
+        run(engine.shutdown())

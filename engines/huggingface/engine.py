@@ -118,8 +118,33 @@ class HuggingFaceEngine(Engine):
                                           use_kv_cache=self.config.use_kv_cache,
                                           batch_wait_timeout_s=self.config.hf.batch_wait_timeout_ms / 1e3,
                                           batch_wait_gap_s=self.config.hf.batch_wait_gap_ms / 1e3,
-                                          chunked_prefill_size=self.config.hf.chunked_prefill_size)
+                                          chunked_prefill_size=self.config.hf.chunked_prefill_size,
+                                          prefix_cache_tokens=self._prefix_cache_tokens())
         self._batcher.start()
+
+    def _prefix_cache_tokens(self) -> int:
+        """`hf_prefix_cache_tokens`, with -1 sized to the device: the tokens whose KV (every
+        layer's keys and values in the model's dtype) fits in 10 % of the RAM on CPU, or of the
+        GPU's free memory after loading. 0 for Qwen2-VL-style models (their positions depend on
+        the images, `get_rope_index`)."""
+        import psutil
+        import torch
+
+        wanted = self.config.hf.prefix_cache_tokens
+        if wanted >= 0 or self._mrope:
+            return 0 if self._mrope else wanted
+        text = self._model.config.get_text_config()
+        heads = getattr(text, "num_attention_heads", 1)
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        layers = getattr(text, "num_hidden_layers", 1)
+        per_token = 2 * layers * kv_heads * head_dim * self._model.dtype.itemsize
+        memory = (torch.cuda.mem_get_info()[0] if self._model.device.type == "cuda"
+                  else psutil.virtual_memory().total)
+        tokens = int(0.1 * memory // per_token)
+        logger.info("prefix cache: up to %d tokens (%.0f MiB, %d KiB per token)", tokens,
+                    tokens * per_token / 2**20, per_token // 1024)
+        return tokens
 
     def _load(self) -> None:
         import torch

@@ -59,7 +59,10 @@ import torch
 
 from engines.base import SamplingParams
 from engines.errors import ServingError
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
 from engines.huggingface.kv_cache import (
+    GrowingLayer,
     left_pad,
     grow_in_place,
     merge_cache_rows,
@@ -69,6 +72,7 @@ from engines.huggingface.kv_cache import (
     select_cache_rows,
     trim_cache_columns,
 )
+from engines.huggingface.prefix_cache import PrefixCache
 from engines.huggingface.sampling import BatchSampler
 from engines.structured_output import BatchGrammarMask, grammar_matcher
 
@@ -171,6 +175,12 @@ class ContinuousBatcher:
             pass takes; a larger prefill is split into chunks of columns, one per step, with a
             decode step of the running rows after each. -1 never splits. Prompts with images,
             and prefills without a KV cache, are never split.
+        prefix_cache_tokens: most tokens of KV the prefix cache keeps (prompts, and finished
+            sequences so a chat's next turn hits); 0 turns it off. A prompt whose leading blocks
+            are cached is prefilled from the first token past them (`_reuse_prefixes`). Only for
+            models whose cache holds keys and values of full attention at every layer: a
+            sliding-window layer keeps only its last columns and a convolution or recurrent state
+            is not positional, so for those it is off (said once in the log).
 
     Admission window: requests that a burst of clients sends at once reach the replica spread
     over 8-25 ms (measured at 16 streams: HTTP, the ingress, then the replica, one request after
@@ -194,7 +204,7 @@ class ContinuousBatcher:
 
     def __init__(self, model: Any, max_num_seqs: int = 32, max_batch_tokens: int = 65536,
                  use_kv_cache: bool = True, batch_wait_timeout_s: float = 0.0, batch_wait_gap_s: float = 0.0,
-                 chunked_prefill_size: int = -1):
+                 chunked_prefill_size: int = -1, prefix_cache_tokens: int = 0):
         self.model = model
         self.device = model.device
         # A peft model takes one adapter name per row ("__base__" = no adapter).
@@ -213,6 +223,10 @@ class ContinuousBatcher:
         # meanwhile): known from the model's config here, confirmed by every prefill's cache.
         self.joins_mid_decode = _config_cache_mergeable(model)
         self._said_unmergeable = False
+        # Automatic prefix caching (engines/huggingface/prefix_cache.py): used once a prefill's
+        # cache showed only full-attention layers (`_note_prefix_cache`).
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and use_kv_cache else None
+        self._prefix_cache_usable: bool | None = None
         self._prefilling: _Prefill | None = None  # a chunked prefill in progress
         self._waiting: deque[BatchRequest] = deque()
         self._rows: list[_Row] = []
@@ -435,10 +449,25 @@ class ContinuousBatcher:
             rows += [(len(r.prompt_ids), steps + r.max_tokens) for r in admitted for _ in range(r.params.n)]
         return peak_kv_positions(rows, trimmed=self.joins_mid_decode)
 
+    def _cache_finished_rows(self) -> None:
+        """Add the KV of rows that finished (prompt and answer, less the last token, which was
+        sampled but never run) to the prefix cache, so a chat's next turn, which sends them
+        back, hits."""
+        width = self._mask.shape[1]
+        for i, row in enumerate(self._rows):
+            namespace = self._cache_namespace(row.request)
+            if not row.finished or namespace is None or not row.generated:
+                continue
+            tokens = row.request.prompt_ids + row.generated[:-1]
+            self.prefix_cache.insert(tokens, functools.partial(self._row_kv, self._cache, i, width - len(tokens)),
+                                     namespace)
+
     def _drop_done_rows(self) -> None:
         keep = [i for i, r in enumerate(self._rows) if not r.done]
         if len(keep) == len(self._rows):
             return
+        if self.prefix_cache is not None and self._cache is not None:
+            self._cache_finished_rows()
         self._rows = [self._rows[i] for i in keep]
         if not self._rows:
             self._cache, self._mask, self._next_tokens = None, None, None
@@ -469,7 +498,80 @@ class ContinuousBatcher:
             ids[i, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
             mask[i, width - len(request.prompt_ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        return _Prefill(admitted, ids, mask, positions)
+        job = _Prefill(admitted, ids, mask, positions)
+        if self.prefix_cache is not None and self._prefix_cache_usable:
+            self._reuse_prefixes(job)
+        return job
+
+    @staticmethod
+    def _cache_namespace(request: BatchRequest) -> str | None:
+        """The prefix cache's namespace of `request` (its adapter), None where its KV is not
+        the tokens' alone: images (their KV depends on the pixels) and prompt logprobs (they
+        need the logits of every prompt column)."""
+        if request.model_inputs or request.params.prompt_logprobs is not None:
+            return None
+        return request.lora_name or ""
+
+    def _reuse_prefixes(self, job: _Prefill) -> None:
+        """Start `job` past the columns its prompts' cached prefixes cover.
+
+        Row i is left-padded by `pad_i` columns and has a cached prefix of `hit_i` tokens (at
+        most its prompt less one token: the last must run for its logits). The prefill starts
+        at column `min_i(pad_i + hit_i)`; the job's cache is made with each row's prefix KV in
+        its columns `[pad_i, start)` (zeros in the padding, which the mask hides). Rope is
+        applied before keys are cached, and each row's positions count from its first token,
+        so a prefix's KV is valid at any column.
+        """
+        width = job.width
+        pads, hits = [], []
+        for request in job.requests:
+            namespace = self._cache_namespace(request)
+            pads.append(width - len(request.prompt_ids))
+            hits.append(None if namespace is None else
+                        self.prefix_cache.lookup(request.prompt_ids, namespace, len(request.prompt_ids) - 1))
+        start = min(pad + (hit.length if hit else 0) for pad, hit in zip(pads, hits))
+        if not any(hit and hit.length and start > pad for pad, hit in zip(pads, hits)):
+            return
+        cache = DynamicCache()
+        kv = next(hit.kv for hit in hits if hit and hit.length)
+        for layer, (k0, v0) in enumerate(kv):
+            keys = k0.new_zeros((len(job.requests), k0.shape[0], start, k0.shape[2]))
+            values = v0.new_zeros((len(job.requests), v0.shape[0], start, v0.shape[2]))
+            for i, (pad, hit) in enumerate(zip(pads, hits)):
+                if start > pad:
+                    keys[i, :, pad:start] = hit.kv[layer][0][:, :start - pad]
+                    values[i, :, pad:start] = hit.kv[layer][1][:, :start - pad]
+            cache.update(keys, values, layer)
+        job.cache, job.done = cache, start
+
+    def _note_prefix_cache(self, cache: Any) -> None:
+        """Decide, from a prefill's cache, whether the prefix cache can serve this model: only
+        a `DynamicCache` of full-attention key/value layers (said once in the log otherwise)."""
+        if self._prefix_cache_usable is not None:
+            return
+        kinds = {type(layer) for layer in cache.layers}
+        self._prefix_cache_usable = type(cache) is DynamicCache and kinds <= {DynamicLayer, GrowingLayer}
+        if not self._prefix_cache_usable:
+            logger.warning("prefix caching is off for %s: its KV cache has %s layers (only full-attention "
+                           "key/value layers are cached)", type(self.model).__name__,
+                           ", ".join(sorted(k.__name__ for k in kinds)))
+            self.prefix_cache = None
+
+    def _cache_prompts(self, job: _Prefill) -> None:
+        """Add the KV of `job`'s prompts (its cache's columns, left-padded) to the prefix cache."""
+        width = job.width
+        for i, request in enumerate(job.requests):
+            namespace = self._cache_namespace(request)
+            if namespace is None:
+                continue
+            pad = width - len(request.prompt_ids)
+            self.prefix_cache.insert(request.prompt_ids, functools.partial(self._row_kv, job.cache, i, pad), namespace)
+
+    @staticmethod
+    def _row_kv(cache: Any, row: int, first: int, start: int, end: int) -> list:
+        """KV of row `row`'s tokens `[start, end)`, its first token at column `first`, per layer."""
+        return [(layer.keys[row, :, first + start:first + end], layer.values[row, :, first + start:first + end])
+                for layer in cache.layers]
 
     def _chunk_columns(self, job: _Prefill) -> int:
         """How many of the job's remaining columns this step's forward pass takes."""
@@ -542,6 +644,10 @@ class ContinuousBatcher:
         new_rows = [_Row(request, index, matcher=grammar_matcher(request.grammar) if request.grammar else None)
                     for request in admitted for index in range(request.params.n)]
         new_cache = None
+        if self.prefix_cache is not None:
+            self._note_prefix_cache(job.cache)
+            if self.prefix_cache is not None:
+                self._cache_prompts(job)
         if self.use_kv_cache:
             new_cache = job.cache
             grow_in_place(new_cache)
