@@ -45,7 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-install", action="store_true", help="do not build missing venvs (target not available)")
     p.add_argument("--kvcache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM targets")
     p.add_argument("--max-total-s", type=float, default=7200, help="stop starting work after this (default 2 h)")
-    p.add_argument("--prompts", type=Path, default=venvs.BENCH_DIR / "prompts.json")
+    p.add_argument("--prompts", type=Path, default=venvs.BENCH_DIR / "prompts.json",
+                   help="prompt set (bench/prompts_shared_context.json: one long shared context)")
+    p.add_argument("--engine-args", default="{}",
+                   help="extra engine config fields of the lmserve and in-process targets, JSON, e.g. "
+                        '\'{"hf_prefix_cache_tokens": 0}\'')
     add_client_argument(p)
     p.add_argument("--out-dir", type=Path, default=venvs.BENCH_DIR / "results")
     args = p.parse_args(argv)

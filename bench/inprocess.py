@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from bench.loadgen import run_level
+from bench.loadgen import read_prompts, run_level
 from bench.metrics import Chunk, RequestRecord
 from bench.servers import wait_for_quiet_cpu
 
@@ -27,7 +27,7 @@ async def run(args: argparse.Namespace) -> None:
     from engines.config import EngineConfig
     from engines.prompt.renderer import PromptRenderer
 
-    prompts = json.loads(open(args.prompts).read())["prompts"]
+    prompts = read_prompts(args.prompts)
     renderer = PromptRenderer.from_pretrained(args.model_dir)
     prompt_ids = [renderer.render_chat([{"role": "user", "content": p}]) for p in prompts]
     config = EngineConfig(model_name_or_path=args.model_dir, infer_backend=args.backend, infer_dtype=args.dtype,

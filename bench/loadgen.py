@@ -18,6 +18,7 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -74,6 +75,15 @@ async def run_level(send: Send, concurrency: int, num_requests: int,
     ends = [r.end for r in records if r.end is not None]
     wall = (max(ends) if ends and not pending else time.perf_counter()) - start
     return records, wall
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """A prompt set file's prompts: its `prompts`, or its shared `context` before each of its
+    `questions` (bench/prompts_shared_context.json)."""
+    data = json.loads(Path(path).read_text())
+    if "context" in data:
+        return [f"{data['context']}\n\nQuestion: {question}" for question in data["questions"]]
+    return data["prompts"]
 
 
 def chat_payload(model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench import venvs
-from bench.loadgen import CLIENTS, http_level
+from bench.loadgen import CLIENTS, http_level, read_prompts
 from bench.metrics import LevelResult, RequestRecord, count_tokens, summarize
 from bench.servers import ServerProcess, StartError, wait_for_quiet_cpu
 from engines.sglang.server_process import free_port
@@ -62,10 +62,14 @@ class Settings:
     deadline: float
     tokenize: Callable[[str], int]
     client: str = CLIENTS[0]
+    # extra engine config fields for lmserve's and the in-process targets (`--engine-args`)
+    engine_args: dict = field(default_factory=dict)
 
     @property
     def prompts(self) -> list[str]:
-        return json.loads(self.prompts_path.read_text())["prompts"]
+        """The prompt set: `prompts`, or a shared `context` before each of `questions`
+        (bench/prompts_shared_context.json)."""
+        return read_prompts(self.prompts_path)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, log_dir: Path, deadline: float) -> "Settings":
@@ -83,7 +87,7 @@ class Settings:
             install=not args.no_install, install_timeout=args.install_timeout, kvcache_gib=args.kvcache_gib,
             model_dir=model_dir, prompts_path=args.prompts, log_dir=log_dir, deadline=deadline,
             tokenize=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-            client=args.client,
+            client=args.client, engine_args=json.loads(getattr(args, "engine_args", None) or "{}"),
         )
 
     def num_requests(self, concurrency: int) -> int:
@@ -149,7 +153,8 @@ def lmserve_spec(backend: str, s: Settings, port: int) -> ServerSpec:
              "infer_dtype": "float32",
              # Room for the highest level: requests over max_ongoing_requests queue in Ray Serve.
              # Both cores for the replica, as serve_config.yaml (and bench/serve_config_vllm.yaml).
-             "deployment": {"max_ongoing_requests": max(32, *s.levels), "ray_actor_options": {"num_cpus": 2}}}
+             "deployment": {"max_ongoing_requests": max(32, *s.levels), "ray_actor_options": {"num_cpus": 2}},
+             **s.engine_args}
     if backend == "vllm":
         entry["vllm_maxlen"] = 4096  # as `vllm serve --max-model-len 4096`
         entry["deployment"]["ray_actor_options"]["runtime_env"] = {
@@ -282,7 +287,8 @@ def run_inprocess_target(name: str, s: Settings) -> TargetResult:
     cmd = [str(python), "-m", "bench.inprocess", "--backend", backend, "--model-dir", str(s.model_dir),
            "--prompts", str(s.prompts_path), "--levels", ",".join(map(str, s.levels)),
            "--max-tokens", str(s.max_tokens), "--requests-per-stream", str(s.requests_per_stream),
-           "--min-requests", str(s.min_requests), "--level-timeout", str(s.level_timeout), "--out", str(out)]
+           "--min-requests", str(s.min_requests), "--level-timeout", str(s.level_timeout), "--out", str(out),
+           "--engine-args", json.dumps(s.engine_args)]
     env = venvs.clean_env(VLLM_CPU_KVCACHE_SPACE=str(s.kvcache_gib), VLLM_TARGET_DEVICE="cpu")
     child = ServerProcess(cmd, env, venvs.REPO_ROOT, s.log_dir / f"{name}.log")
     print(f"bench: {name}: running in a child process, log {child.log_path}", file=sys.stderr, flush=True)

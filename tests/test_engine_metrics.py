@@ -247,6 +247,36 @@ def test_dashboard_has_kv_cache_and_prefix_cache_panels_for_both_engines():
     for title in ("KV-cache usage", "Prefix-cache hit rate"):
         queries = " ".join(panels[title])
         assert "ray_vllm_" in queries and "ray_sglang_" in queries, title
+    assert "ray_hf_prefix_cache_hits_total" in " ".join(panels["Prefix-cache hit rate"])
+
+
+def test_the_huggingface_engine_exports_its_prefix_cache_counters(recorded):
+    """Issue 39: the huggingface backend's prefix cache hits, as vLLM's counters count them
+    (tokens looked up, tokens found), added as they grow."""
+    from engines.huggingface.engine import HuggingFaceEngine
+    from engines.huggingface.prefix_cache import PrefixCache
+
+    engine = HuggingFaceEngine(EngineConfig())
+
+    class Batcher:
+        prefix_cache = PrefixCache(100)
+
+    engine._batcher = Batcher()
+    cache = Batcher.prefix_cache
+
+    async def scenario():
+        task = asyncio.create_task(engine.export_metrics("m", ray_metrics, interval_s=0.01))
+        cache.queried_tokens, cache.hit_tokens = 120, 96
+        await asyncio.sleep(0.05)
+        cache.queried_tokens, cache.hit_tokens = 200, 96
+        await asyncio.sleep(0.05)
+        Batcher.prefix_cache = None  # turned off (a model it cannot serve): the export ends
+        await asyncio.wait_for(task, 1)
+
+    asyncio.run(scenario())
+    key = ("m", "huggingface")
+    assert recorded["hf_prefix_cache_queries"].values[key] == 200
+    assert recorded["hf_prefix_cache_hits"].values[key] == 96
 
 
 def test_dashboard_queries_only_engine_series_that_are_exported():
@@ -255,6 +285,9 @@ def test_dashboard_queries_only_engine_series_that_are_exported():
     names = queried_metric_names()
     assert {n for n in names if n.startswith("ray_sglang_")} <= {spec.prometheus_name for spec in SGLANG_METRICS}
     assert {n for n in names if n.startswith("ray_vllm_")} <= set(VLLM_PANEL_METRICS)
+    from engines.huggingface.engine import HF_METRICS
+
+    assert {n for n in names if n.startswith("ray_hf_")} <= {spec.prometheus_name for spec in HF_METRICS}
 
 
 def test_the_vllm_series_on_the_dashboard_are_vllms_own():

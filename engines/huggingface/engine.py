@@ -35,11 +35,23 @@ from engines.device import pick_dtype
 from engines.huggingface.adapters import ALL_ADAPTERS, PEFT_BASE, check_peft_adapter_fits, combine_adapters
 from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
 from engines.errors import ModelLoadError, ServingError
+from engines.metrics import MetricsExporter, MetricSpec
 from engines.model_source import resolve_model_path
 from engines.output import ChoiceOutput, RequestOutputCollector, WorkerHandoff, make_detokenizer
 from engines.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+
+#: The prefix cache's counters (vLLM's `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`,
+#: in tokens), exported by `HuggingFaceEngine.export_metrics`.
+HF_METRICS = (
+    MetricSpec("hf_prefix_cache_queries", "counter", "tokens",
+               "Prompt tokens looked up in the huggingface backend's prefix cache."),
+    MetricSpec("hf_prefix_cache_hits", "counter", "tokens",
+               "Prompt tokens found in the huggingface backend's prefix cache (not prefilled)."),
+)
+#: Seconds between two exports of the counters.
+METRICS_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -281,6 +293,21 @@ class HuggingFaceEngine(Engine):
             # failing here has Ray Serve replace the replica.
             raise ServingError.unavailable("huggingface engine: "
                                            + (self._batcher.dead_reason or "batching thread is not running"))
+
+    async def export_metrics(self, model_id: str, exporter: MetricsExporter, interval_s: float = METRICS_INTERVAL_S
+                             ) -> None:
+        """Add the prefix cache's new queried and hit tokens to `HF_METRICS`' counters every
+        `interval_s`, labelled `model_id` and `backend`, until cancelled; returns at once where
+        the engine has no prefix cache (off, or a model it cannot serve)."""
+        counters = [exporter.Counter(spec.name, spec.description, spec.labels) for spec in HF_METRICS]
+        tags = {"model_id": model_id, "backend": self.config.infer_backend}
+        sent = [0, 0]
+        while self._batcher is not None and (cache := self._batcher.prefix_cache) is not None:
+            for i, (counter, total) in enumerate(zip(counters, (cache.queried_tokens, cache.hit_tokens))):
+                if total > sent[i]:
+                    counter.inc(total - sent[i], tags)
+                    sent[i] = total
+            await asyncio.sleep(interval_s)
 
     async def shutdown(self) -> None:
         if self._batcher is not None:
