@@ -341,6 +341,11 @@ class VLLMEngine(Engine):
                     stats.update(num_running_reqs=scheduler_stats.num_running_reqs,
                                  num_waiting_reqs=scheduler_stats.num_waiting_reqs,
                                  kv_cache_usage=scheduler_stats.kv_cache_usage)
+                    # per-update counts (vLLM's loggers add them up): prompt tokens looked up, found
+                    prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+                    if prefix is not None:
+                        stats["prefix_cache_queries"] = stats.get("prefix_cache_queries", 0) + prefix.queries
+                        stats["prefix_cache_hits"] = stats.get("prefix_cache_hits", 0) + prefix.hits
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -349,10 +354,13 @@ class VLLMEngine(Engine):
 
     def scheduler_stats(self) -> dict[str, float]:
         """The engine's load: `num_running_reqs`/`num_waiting_reqs` (sequences, as last reported
-        by the engine core's scheduler), `kv_cache_usage` (0..1) and `num_unfinished_requests`
-        (sequences this process still tracks, updated at once on abort)."""
+        by the engine core's scheduler), `kv_cache_usage` (0..1), `num_unfinished_requests`
+        (sequences this process still tracks, updated at once on abort), and
+        `prefix_cache_queries`/`prefix_cache_hits` (prompt tokens looked up in vLLM's prefix
+        cache and found, since start)."""
         llm = self._require_llm()
-        return {"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0, **self._stats,
+        return {"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0, "prefix_cache_queries": 0,
+                "prefix_cache_hits": 0, **self._stats,
                 "num_unfinished_requests": llm.get_num_unfinished_requests()}
 
     @property

@@ -116,6 +116,22 @@ def test_counters_and_histograms_move_by_exactly_the_requests_made(client, serve
     assert after[("ray_lmserve_num_requests_waiting", MODEL)] == 0
 
 
+def test_the_huggingface_prefix_cache_counts_its_hits(client, metrics_url):
+    """Issue 39: the same long prompt twice on the huggingface model: every prompt token is
+    looked up, and the second time its whole blocks (but the last token) are found."""
+    messages = [{"role": "user", "content": "Name the tides, the winds and the stars of the harbor. " * 30}]
+    before = _quiet(metrics_url)
+    usage = [client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=2).usage
+             for _ in range(2)]
+    prompt = usage[0].prompt_tokens
+    queries = ("ray_hf_prefix_cache_queries_total", MODEL)
+    hits = ("ray_hf_prefix_cache_hits_total", MODEL)
+    after = _wait_until_moved(metrics_url, before, {queries: 2 * prompt, hits: (prompt - 1) // 16 * 16})
+    assert _moved(before, after, *queries) == 2 * prompt
+    # the second request's blocks, and at most the first's shared chat-template head
+    assert (prompt - 1) // 16 * 16 <= _moved(before, after, *hits) < prompt + (prompt - 1) // 16 * 16
+
+
 def test_client_disconnect_counts_as_abort(serve_url, metrics_url):
     before = _quiet(metrics_url)
     with httpx.stream("POST", serve_url + "/v1/chat/completions", timeout=120,

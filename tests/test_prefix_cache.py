@@ -108,3 +108,34 @@ def test_off_at_zero_tokens():
     cache = PrefixCache(max_tokens=0, block_tokens=4)
     assert _insert(cache, list(range(10))) == 0
     assert cache.lookup(list(range(10))).length == 0
+
+
+def test_one_token_past_a_cached_prefix_differs():
+    """A prompt that matches a cached sequence but differs one token past a block boundary, or
+    inside the last block, hits exactly the blocks before the difference."""
+    cache = PrefixCache(max_tokens=1000, block_tokens=4)
+    cached = list(range(1, 17))  # 4 blocks
+    _insert(cache, cached)
+    at_boundary = cached[:8] + [99] + cached[9:]
+    inside = cached[:10] + [99] + cached[11:]
+    assert cache.lookup(at_boundary + [0]).length == 8
+    assert cache.lookup(inside + [0]).length == 8
+    _assert_kv_is_the_prefix(cache.lookup(inside + [0]), inside)
+
+
+def test_an_eviction_storm_stays_within_the_bound_and_leaks_nothing():
+    """1,000 distinct sequences (a shared 16-token head, then 24-72 tokens of their own) into a
+    cache of 400 tokens: the tokens held never pass the bound, the index holds exactly the blocks
+    of the segments kept, and the shared head, used by every insert, is never evicted."""
+    cache = PrefixCache(max_tokens=400, block_tokens=8)
+    head = list(range(1000, 1016))
+    generator = torch.Generator().manual_seed(0)
+    for k in range(1000):
+        tail = torch.randint(0, 900, (24 + 8 * (k % 7),), generator=generator).tolist()
+        _insert(cache, head + tail)
+        assert cache.tokens <= cache.max_tokens
+    held = sum(segment.length for segment in cache._segments)
+    assert held == cache.tokens
+    assert len(cache._index) == held // cache.block_tokens
+    assert all(cache._index[h] is segment for segment in cache._segments for h in segment.hashes)
+    assert cache.lookup(head + [0]).length == 16
