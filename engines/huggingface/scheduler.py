@@ -499,7 +499,7 @@ class ContinuousBatcher:
             mask[i, width - len(request.prompt_ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         job = _Prefill(admitted, ids, mask, positions)
-        if self.prefix_cache is not None and self._prefix_cache_usable:
+        if self.prefix_cache is not None:
             self._reuse_prefixes(job)
         return job
 
@@ -523,6 +523,10 @@ class ContinuousBatcher:
         so a prefix's KV is valid at any column.
         """
         width = job.width
+        if not self._prefix_cache_usable:  # not known before the first prefill: counted as misses
+            self.prefix_cache.queried_tokens += sum(len(r.prompt_ids) for r in job.requests
+                                                    if self._cache_namespace(r) is not None)
+            return
         pads, hits = [], []
         for request in job.requests:
             namespace = self._cache_namespace(request)
