@@ -326,3 +326,44 @@ def test_prefix_cache_hits_give_the_same_tokens(architecture):
         assert batcher.prefix_cache.hit_tokens == 96 + 128
     else:
         assert batcher.prefix_cache is None
+
+
+def test_prefix_cache_keeps_adapters_apart():
+    """A prompt cached without an adapter is not a hit for the same prompt with one (its KV
+    differs: LoRA on the key and value projections), and the other way round; each answer
+    equals the batcher's without a cache."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL), dtype=torch.float32)
+    model = get_peft_model(base.eval(), LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"],
+                                                   init_lora_weights=False)).eval()
+    prompt = _prompt(60, 70)
+
+    def answers(prefix_cache_tokens):
+        batcher = ContinuousBatcher(model, prefix_cache_tokens=prefix_cache_tokens)
+        client = _Client(batcher)
+        batcher.start()
+        try:
+            for name, lora in (("base", None), ("tuned", "default"), ("tuned_again", "default"), ("base_again", None)):
+                client.tokens[name] = {0: []}
+                done = client.finished[name] = threading.Event()
+
+                def emit(items, name=name, done=done):
+                    for _, token, finish, _, _ in items:
+                        client.tokens[name][0].append(token)
+                        if finish:
+                            done.set()
+
+                batcher.submit(BatchRequest(name, prompt, SamplingParams(temperature=0, ignore_eos=True), 8, set(),
+                                            torch.Generator(), emit, lora_name=lora))
+                client.wait()
+        finally:
+            batcher.stop()
+        return {name: tokens[0] for name, tokens in client.tokens.items()}, batcher.prefix_cache
+
+    cached, cache = answers(10_000)
+    uncached, _ = answers(0)
+    assert cached == uncached
+    assert cached["tuned"] != cached["base"]
+    assert cache.hit_tokens == 2 * 64  # tuned_again and base_again, each from its own namespace
