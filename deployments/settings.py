@@ -173,6 +173,13 @@ class Settings(BaseSettings, IngressFields):
         "replica's connection and the replica stops generating. It counts from when the client's own "
         "buffer is full, not from when HAProxy's is, so the buffers ahead of it do not add their fill time. "
         "0 = off (the kernel's retransmission and zero-window probing go on indefinitely).")
+    haproxy_session_affinity_entries: int = Field(
+        100_000, ge=0, description="HAProxy: session ids remembered per application, so that requests with the "
+        "same `x-session-id` header go to the replica that answered the first (its prefix cache holds the "
+        "conversation); requests without the header are balanced by least connections. 0 = off.")
+    haproxy_session_affinity_expire_s: int = Field(
+        1800, ge=1, description="HAProxy: a session id unused this long (seconds) is forgotten; its next request "
+        "is balanced afresh.")
     haproxy_max_connections_per_source: int = Field(
         512, ge=0, description="HAProxy: connections one client address may hold at once; more are closed as "
         "they open. 0 = no limit: turn it off behind a proxy or load balancer that hides client addresses "

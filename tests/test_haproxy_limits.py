@@ -139,6 +139,14 @@ def test_client_user_timeout(ray_config, tmp_path):
     assert "tcp-ut" not in adapt_config(ray_config, Settings(haproxy_tcp_user_timeout_s=0), tmp_path)
 
 
+def test_session_affinity(ray_config, tmp_path):
+    out = adapt_config(ray_config, Settings(), tmp_path)
+    backend = _section(out, "backend app")
+    assert "stick match req.hdr(x-session-id)" in backend and "stick-table type string len 128 size 100000" in backend
+    assert "stick" not in _section(out, "backend default_backend")
+    assert "stick match" not in adapt_config(ray_config, Settings(haproxy_session_affinity_entries=0), tmp_path)
+
+
 def test_bounded_socket_buffers(ray_config, tmp_path):
     out = _section(adapt_config(ray_config, Settings(), tmp_path), "global")
     assert "    tune.sndbuf.client 65536\n" in out and "    tune.rcvbuf.server 65536\n" in out
@@ -159,7 +167,7 @@ def test_a_changed_template_keeps_rays_lines_and_says_so(ray_config, tmp_path):
     assert log.getvalue().count("\n") == 1 and "retry_once not applied" in log.getvalue()
     assert not re.search(r"^\s*retries ", _section(out, "defaults"), re.M)  # as Ray wrote it
     assert "timeout http-request 10s" in out  # the other steps still apply
-    assert len(REWRITES) == 10
+    assert len(REWRITES) == 11
 
 
 # --- the real HAProxy through the launcher ---------------------------------------------------
@@ -467,6 +475,22 @@ def test_a_slow_stream_whose_client_reads_nothing_is_cut_off_without_filling_hap
     closed_after = _never_read(proxy.port, "/firehose?gap=0.07", 20, replica)
     assert closed_after is not None, f"still streaming after 20 s: {replica.sent} bytes sent"
     assert replica.sent < 64 << 10, replica.sent
+
+
+def test_a_session_stays_on_one_replica_and_other_requests_are_balanced(start_haproxy):
+    """Issue 39 item 4 in the direct-streaming layout: a conversation's turns (one
+    `x-session-id`) reach the replica that answered its first, where its prefix cache is;
+    requests without the header still go to both replicas."""
+    proxy, _ = start_haproxy({"a": False, "b": False})
+
+    def replica(session: str | None = None) -> str:
+        headers = {"x-session-id": session} if session else {}
+        return httpx.get(f"{proxy.url}/v1/models", headers=headers, timeout=10).json()["replica"]
+
+    assert {replica() for _ in range(6)} == {"a", "b"}
+    for session in ("conversation-1", "conversation-2", "conversation-3"):
+        assert len({replica(session) for _ in range(6)}) == 1, session
+    assert len({replica(f"conversation-{k}") for k in range(1, 4)} | {replica() for _ in range(4)}) == 2
 
 
 def test_stats_and_metrics_on_loopback_and_admin_socket_owner_only(start_haproxy):

@@ -51,6 +51,8 @@ and on every reload) in place (`adapt_config`), one named step each (`REWRITES`)
   socket is the owner's alone (`mode 600`).
 - `bounded_socket_buffers`: HAProxy's client send and replica receive buffers bounded, so a client
   that stops reading holds a stream back within a few hundred kilobytes;
+- `session_affinity`: requests with the same `x-session-id` header go to one replica while it is
+  up (a stick table per application backend), so a conversation keeps its prefix cache;
 - `client_user_timeout`: `tcp-ut` on the HTTP frontend, so the kernel closes a client connection
   whose receive window stayed closed (it reads nothing) for that long, however much of HAProxy's
   buffers the stream has yet to fill, and the replica stops generating.
@@ -404,6 +406,36 @@ def bounded_socket_buffers(lines: list[str], s: Settings, pages: Path) -> None:
                                f"tune.rcvbuf.server {s.haproxy_socket_buffer_bytes}"])
 
 
+#: The request header that keeps a conversation on one replica (`session_affinity`).
+SESSION_HEADER = "x-session-id"
+
+
+def session_affinity(lines: list[str], s: Settings, pages: Path) -> None:
+    """Requests that carry the same `x-session-id` go to the replica that answered the first of
+    them while it is up, so a conversation's turns find their history in that replica's prefix
+    cache; requests without the header are balanced as Ray configures (least connections).
+
+    Per application backend: a stick table of session ids (`haproxy_session_affinity_entries`
+    entries, each forgotten after `haproxy_session_affinity_expire_s` unused); a session is
+    matched to its replica, and stored once a replica (never the head node's Serve proxy, the
+    backup server Ray adds for when no replica is up) has answered. A replica that is down
+    loses its sessions to the others (`option redispatch`). No overload check: a busy
+    replica keeps its sessions and answers 503 + `Retry-After` when full. 0 entries: off."""
+    if not s.haproxy_session_affinity_entries:
+        return
+    headers = [i for i, line in enumerate(lines)
+               if line.startswith("backend ") and line.split()[1] != "default_backend"]
+    for i in reversed(headers):
+        _insert(lines, i + 1, [
+            f"# lmserve-haproxy: requests with the same {SESSION_HEADER} stay on one replica",
+            f"stick-table type string len 128 size {s.haproxy_session_affinity_entries} "
+            f"expire {s.haproxy_session_affinity_expire_s}s",
+            f"http-request set-var(txn.lmserve_session) req.hdr({SESSION_HEADER})",
+            f"stick match req.hdr({SESSION_HEADER})",
+            "stick store-response var(txn.lmserve_session) if { var(txn.lmserve_session) -m found } "
+            "!{ srv_name -m beg SERVE_PROXY_ACTOR }"])
+
+
 def client_user_timeout(lines: list[str], s: Settings, pages: Path) -> None:
     """`tcp-ut` = `haproxy_tcp_user_timeout_s` on the HTTP frontend's bind line: Linux closes a
     client connection whose data stayed unsent behind a closed receive window (a client that
@@ -430,6 +462,7 @@ REWRITES: list[tuple[str, Callable[[list[str], Settings, Path], None]]] = [
     ("admin_on_loopback", admin_on_loopback),
     ("bounded_socket_buffers", bounded_socket_buffers),
     ("client_user_timeout", client_user_timeout),
+    ("session_affinity", session_affinity),
 ]
 
 
