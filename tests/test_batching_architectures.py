@@ -108,7 +108,7 @@ class _Client:
         self.finished: dict[str, threading.Event] = {}
         self.errors: list[BaseException] = []
 
-    def submit(self, name: str, prompt: list[int], max_tokens: int, n: int = 1) -> None:
+    def submit(self, name: str, prompt: list[int], max_tokens: int, n: int = 1, lora_name: str | None = None) -> None:
         self.tokens[name] = {i: [] for i in range(n)}
         done = self.finished[name] = threading.Event()
         open_choices = set(range(n))
@@ -126,7 +126,7 @@ class _Client:
                 done.set()
 
         self.batcher.submit(BatchRequest(name, prompt, SamplingParams(temperature=0, ignore_eos=True, n=n),
-                                         max_tokens, set(), torch.Generator(), emit))
+                                         max_tokens, set(), torch.Generator(), emit, lora_name=lora_name))
 
     def wait_for_tokens(self, name: str, count: int) -> None:
         deadline = time.monotonic() + 60
@@ -310,14 +310,8 @@ def test_prefix_cache_hits_give_the_same_tokens(architecture):
             if name != "first":
                 client.submit(name, prompt, max_tokens, n=2 if name == "next_turn" else 1)
 
-    batcher = ContinuousBatcher(model, prefix_cache_tokens=10_000, chunked_prefill_size=64)
-    client = _Client(batcher)
-    batcher.start()
-    try:
-        schedule(client)
-        client.wait()
-    finally:
-        batcher.stop()
+    client = _run(model, schedule, prefix_cache_tokens=10_000, chunked_prefill_size=64)
+    batcher = client.batcher
     found = [(name, index, tokens) for name, (prompt, max_tokens) in specs.items()
              for index, tokens in client.tokens[name].items() if tokens != _reference(model, prompt, max_tokens)]
     assert found == []
@@ -341,26 +335,13 @@ def test_prefix_cache_keeps_adapters_apart():
     prompt = _prompt(60, 70)
 
     def answers(prefix_cache_tokens):
-        batcher = ContinuousBatcher(model, prefix_cache_tokens=prefix_cache_tokens)
-        client = _Client(batcher)
-        batcher.start()
-        try:
+        def schedule(client):
             for name, lora in (("base", None), ("tuned", "default"), ("tuned_again", "default"), ("base_again", None)):
-                client.tokens[name] = {0: []}
-                done = client.finished[name] = threading.Event()
-
-                def emit(items, name=name, done=done):
-                    for _, token, finish, _, _ in items:
-                        client.tokens[name][0].append(token)
-                        if finish:
-                            done.set()
-
-                batcher.submit(BatchRequest(name, prompt, SamplingParams(temperature=0, ignore_eos=True), 8, set(),
-                                            torch.Generator(), emit, lora_name=lora))
+                client.submit(name, prompt, 8, lora_name=lora)
                 client.wait()
-        finally:
-            batcher.stop()
-        return {name: tokens[0] for name, tokens in client.tokens.items()}, batcher.prefix_cache
+
+        client = _run(model, schedule, prefix_cache_tokens=prefix_cache_tokens)
+        return {name: tokens[0] for name, tokens in client.tokens.items()}, client.batcher.prefix_cache
 
     cached, cache = answers(10_000)
     uncached, _ = answers(0)

@@ -143,8 +143,10 @@ class HuggingFaceEngine(Engine):
         import torch
 
         wanted = self.config.hf.prefix_cache_tokens
-        if wanted >= 0 or self._mrope:
-            return 0 if self._mrope else wanted
+        if self._mrope:
+            return 0
+        if wanted >= 0:
+            return wanted
         text = self._model.config.get_text_config()
         heads = getattr(text, "num_attention_heads", 1)
         kv_heads = getattr(text, "num_key_value_heads", None) or heads

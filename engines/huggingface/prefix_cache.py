@@ -21,6 +21,7 @@ leaf segments go first.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -83,10 +84,9 @@ class PrefixCache:
     def block_hashes(self, tokens: list[int], namespace: str = "") -> list[bytes]:
         """The chained hash of each full block of `tokens` (a partial last block has none)."""
         hashes, previous = [], hashlib.sha256(namespace.encode()).digest()
-        size = self.block_tokens
-        for end in range(size, len(tokens) + 1, size):
-            previous = hashlib.sha256(previous + torch.tensor(tokens[end - size:end], dtype=torch.int64)
-                                      .numpy().tobytes()).digest()
+        data, size = array("q", tokens).tobytes(), self.block_tokens * 8  # int64 per token
+        for end in range(size, len(data) + 1, size):
+            previous = hashlib.sha256(previous + data[end - size:end]).digest()
             hashes.append(previous)
         return hashes
 
@@ -177,8 +177,6 @@ class PrefixCache:
         goes last, where everything else left is its ancestors."""
         while self.tokens > self.max_tokens:
             leaves = [s for s in self._segments if s.children == 0 and s is not keep]
-            if not leaves and keep not in self._segments:
-                return
             victim = min(leaves, key=lambda s: s.last_used) if leaves else keep
             for h in victim.hashes:
                 self._index.pop(h, None)
@@ -186,9 +184,3 @@ class PrefixCache:
                 victim.parent.children -= 1
             self._segments.discard(victim)
             self.tokens -= victim.length
-
-    def clear(self) -> None:
-        """Drop every segment (the counters stay)."""
-        self._index.clear()
-        self._segments.clear()
-        self.tokens = 0

@@ -56,11 +56,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from engines.base import SamplingParams
 from engines.errors import ServingError
-from transformers.cache_utils import DynamicCache, DynamicLayer
-
 from engines.huggingface.kv_cache import (
     GrowingLayer,
     left_pad,
