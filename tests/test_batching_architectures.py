@@ -316,8 +316,9 @@ def test_prefix_cache_hits_give_the_same_tokens(architecture):
              for index, tokens in client.tokens[name].items() if tokens != _reference(model, prompt, max_tokens)]
     assert found == []
     if architecture in PREFIX_CACHED:
-        # other: 96 of its 107 tokens (6 blocks); next_turn: the 128 of first's prompt and answer
-        assert batcher.prefix_cache.hit_tokens == 96 + 128
+        # found: other's 96 of 107 tokens (6 blocks), next_turn's 128 (first's prompt and answer);
+        # reused, where they share a prefill with `unrelated`, only up to its first column
+        assert 96 <= batcher.prefix_cache.hit_tokens <= 96 + 128
     else:
         assert batcher.prefix_cache is None
 
@@ -348,3 +349,21 @@ def test_prefix_cache_keeps_adapters_apart():
     assert cached == uncached
     assert cached["tuned"] != cached["base"]
     assert cache.hit_tokens == 2 * 64  # tuned_again and base_again, each from its own namespace
+
+
+def test_a_prefill_counts_the_cached_tokens_it_reuses_not_those_it_found():
+    """A prompt with a cached prefix prefilled together with one without: the prefill starts at
+    the first column either needs (the cold prompt's first token), and only the hit's tokens
+    before it are reused and counted."""
+    model = _model("llama")
+    cached = _prompt(70, 70)
+    client = _run(model, lambda c: c.submit("first", cached, 4), prefix_cache_tokens=10_000)
+    batcher = client.batcher
+
+    def request(name, prompt):
+        return BatchRequest(name, prompt, SamplingParams(temperature=0), 4, set(), torch.Generator(), lambda _: None)
+
+    cold, warm = _prompt(71, 40), cached + _prompt(72, 5)  # 75 columns: cold padded by 35
+    job = batcher._start_prefill([request("cold", cold), request("warm", warm)])
+    # warm's 64 cached tokens (4 blocks) were found; the prefill starts at column 35
+    assert job.done == 35 and batcher.prefix_cache.hit_tokens == 35

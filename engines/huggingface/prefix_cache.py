@@ -77,7 +77,8 @@ class PrefixCache:
         self._index: dict[bytes, _Segment] = {}  # block hash -> the segment holding that block
         self._segments: set[_Segment] = set()
         self._clock = 0
-        # Counters in tokens, as vLLM's `prefix_cache_queries` / `prefix_cache_hits`.
+        # Counters in tokens, as vLLM's `prefix_cache_queries` / `prefix_cache_hits`: prompt tokens
+        # looked up (`lookup`), and tokens whose KV a prefill reused (its caller).
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -116,8 +117,8 @@ class PrefixCache:
         return parts
 
     def lookup(self, tokens: list[int], namespace: str = "", max_length: int | None = None) -> PrefixHit:
-        """The longest cached prefix of `tokens`, at most `max_length` tokens (default all),
-        counted in `queried_tokens` / `hit_tokens`.
+        """The longest cached prefix of `tokens`, at most `max_length` tokens (default all).
+        `tokens` count in `queried_tokens`; the caller adds to `hit_tokens` what it reuses.
 
         Returns:
             a `PrefixHit` (length 0 and no KV on a miss).
@@ -136,7 +137,6 @@ class PrefixCache:
         parts = self._gather(segment, length)
         kv = [(torch.cat([p[layer][0] for p in parts], dim=1), torch.cat([p[layer][1] for p in parts], dim=1))
               for layer in range(len(parts[0]))]
-        self.hit_tokens += length
         return PrefixHit(length, kv)
 
     def insert(self, tokens: list[int], kv: Callable[[int, int], LayerKV], namespace: str = "") -> int:

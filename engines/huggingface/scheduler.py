@@ -533,8 +533,11 @@ class ContinuousBatcher:
             hits.append(None if namespace is None else
                         self.prefix_cache.lookup(request.prompt_ids, namespace, len(request.prompt_ids) - 1))
         start = min(pad + (hit.length if hit else 0) for pad, hit in zip(pads, hits))
-        if not any(hit and hit.length and start > pad for pad, hit in zip(pads, hits)):
+        # What is reused, not what was found: a row's hit past `start` is prefilled again.
+        reused = sum(max(0, start - pad) for pad in pads)
+        if not reused:
             return
+        self.prefix_cache.hit_tokens += reused
         cache = DynamicCache()
         kv = next(hit.kv for hit in hits if hit and hit.length)
         for layer, (k0, v0) in enumerate(kv):
