@@ -188,14 +188,28 @@ class GenerationRequest:
 
 @dataclass
 class Usage:
-    """Token counts for a whole request (all `n` choices), as OpenAI reports them."""
+    """Token counts for a whole request (all `n` choices), as OpenAI reports them.
+
+    `cached_tokens`: how many of the prompt's tokens the engine took from its prefix cache
+    instead of computing them (OpenAI's `usage.prompt_tokens_details.cached_tokens`, vLLM's
+    `RequestOutput.num_cached_tokens`); None where the engine does not say.
+    """
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    @classmethod
+    def sum(cls, usages: list["Usage"]) -> "Usage":
+        """The usage of several generations answered as one (a completions request's prompts);
+        `cached_tokens` None only where none of them says."""
+        cached = [u.cached_tokens for u in usages if u.cached_tokens is not None]
+        return cls(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                   sum(cached) if cached else None)
 
 
 @dataclass

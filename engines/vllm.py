@@ -513,7 +513,8 @@ class VLLMEngine(Engine):
                         for token_id, position in zip(prompt_ids, out.prompt_logprobs)]
                 if out.finished:
                     usage = Usage(prompt_tokens=len(prompt_ids),
-                                  completion_tokens=sum(c.num_tokens for c in choices))
+                                  completion_tokens=sum(c.num_tokens for c in choices),
+                                  cached_tokens=out.num_cached_tokens)
                     if deltas:
                         deltas[-1].usage = usage
                     else:

@@ -108,12 +108,14 @@ class Reply:
             exception for an engine that crashes).
         error_after: deltas yielded before `error` is raised (0: before the first).
         delay_s: seconds slept before each delta (deadlines, clients that go away).
+        cached_tokens: the prompt tokens reported as served by a prefix cache (`Usage.cached_tokens`).
     """
 
     choices: list[list[str]] = field(default_factory=lambda: [["Hello", ",", " world", "!"]])
     error: BaseException | None = None
     error_after: int = 0
     delay_s: float = 0.0
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -219,7 +221,7 @@ class FakeEngine(Engine):
                 done = all(c.finish_reason for c in choices)
                 if done:
                     usage = Usage(prompt_tokens=len(request.prompt_token_ids),
-                                  completion_tokens=sum(c.tokens for c in choices))
+                                  completion_tokens=sum(c.tokens for c in choices), cached_tokens=reply.cached_tokens)
                     if not deltas:
                         deltas.append(GenerationDelta(index=choices[-1].index))
                     deltas[-1].usage = usage

@@ -228,6 +228,18 @@ def test_real_server_prompts_list_echo_and_prompt_logprobs(real_client, client):
 
 
 @pytest.mark.real_sglang
+def test_real_servers_radix_cache_serves_a_repeated_prefix(real_client):
+    """Issue 39: SGLang's radix cache is on as lmserve launches it, and its hits reach the usage:
+    a second question after the same long system prompt has that prompt served from the cache."""
+    system = {"role": "system", "content": "You answer questions about the sea, briefly. " * 40}
+    usages = [real_client.chat.completions.create(
+        model="smollm2-real", messages=[system, {"role": "user", "content": q}], temperature=0, max_tokens=2).usage
+        for q in ("What is a tide?", "Why is the sea salty?")]
+    assert usages[0].prompt_tokens > 300
+    assert usages[1].prompt_tokens_details.cached_tokens >= 300 > usages[0].prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.real_sglang
 def test_real_server_parse_and_a_forced_tool_call_validate(real_client):
     """`.parse()` and a forced call (lmserve's grammar as SGLang's `ebnf`) on the real SGLang."""
     assert_parse_and_forced_call(real_client, "smollm2-real", "required")

@@ -698,13 +698,17 @@ def test_prefix_cache_gives_the_answers_of_a_full_prefill(model_dir, renderer, h
         f"Rule {k}: answer briefly, in plain words, and name the city you mean." for k in range(1, 25))}
     questions = ["What is the capital of France?", "What is the capital of Italy?", "Name a big city in Japan."]
 
+    usages = []
+
     def conversation(engine):
         first = [[system, {"role": "user", "content": q}] for q in questions]
 
         async def turn(chats):
             reqs = [GenerationRequest(f"p{k}", renderer.render_chat(c), SamplingParams(temperature=0, max_tokens=20))
                     for k, c in enumerate(chats)]
-            return [text_of(d) for d in await asyncio.gather(*(collect(engine, r) for r in reqs))]
+            outputs = await asyncio.gather(*(collect(engine, r) for r in reqs))
+            usages.extend(next(d.usage for d in deltas if d.usage) for deltas in outputs)
+            return [text_of(d) for d in outputs]
 
         answers = run(turn(first))
         second = [c + [{"role": "assistant", "content": a}, {"role": "user", "content": "And its population?"}]
@@ -716,10 +720,15 @@ def test_prefix_cache_gives_the_answers_of_a_full_prefill(model_dir, renderer, h
     cached = conversation(hf_engine)
     # at least the ~370-token system prompt per second turn (2304 tokens measured in all)
     assert cache.hit_tokens - hits_before >= 3 * 300
+    # each request's usage says what its prefill reused; a second turn reuses its whole first turn
+    assert sum(u.cached_tokens for u in usages) == cache.hit_tokens - hits_before
+    assert all(u.cached_tokens >= 300 for u in usages[3:])
+    usages.clear()
     engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), hf_prefix_cache_tokens=0))
     run(engine.start())
     try:
         assert engine._batcher.prefix_cache is None
         assert conversation(engine) == cached
+        assert {u.cached_tokens for u in usages} == {0}
     finally:
         run(engine.shutdown())

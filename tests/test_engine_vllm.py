@@ -395,11 +395,13 @@ def test_a_forced_tool_call_follows_its_format_and_schema(vllm_engine, renderer)
 
 def test_prefix_cache_counts_a_repeated_prompts_hit(vllm_engine, renderer):
     """Issue 39: vLLM's prefix caching is on (vLLM's default) and its counts reach
-    `scheduler_stats`: a prompt of many KV blocks asked twice is found the second time."""
+    `scheduler_stats` and the usage: a prompt of many KV blocks asked twice is found the second time."""
     ids = renderer.render_chat([{"role": "user", "content": "Describe the sea, the sky and the shore. " * 40}])
     before = vllm_engine.scheduler_stats()
-    generate(vllm_engine, ids, temperature=0, max_tokens=2)
-    generate(vllm_engine, ids, temperature=0, max_tokens=2)
+    cold = generate(vllm_engine, ids, temperature=0, max_tokens=2)
+    warm = generate(vllm_engine, ids, temperature=0, max_tokens=2)
+    # and each request's usage (vLLM's `num_cached_tokens`)
+    assert cold[-1].usage.cached_tokens == 0 and warm[-1].usage.cached_tokens >= len(ids) // 2
     deadline = time.monotonic() + 10  # the engine core reports with its next steps
     while vllm_engine.scheduler_stats()["prefix_cache_queries"] - before["prefix_cache_queries"] < 2 * len(ids):
         assert time.monotonic() < deadline, vllm_engine.scheduler_stats()

@@ -232,3 +232,25 @@ def test_the_role_and_first_token_leave_in_one_write_before_the_disconnect_liste
     assert [c["choices"][0]["delta"].get("content") for c in head[1:]] == [ANSWER[0]]
     events = sse_events(b"".join(body for kind, body in log if kind == "body").decode())
     assert events[-1] == "[DONE]"
+
+
+def test_the_prompt_tokens_an_engine_took_from_its_prefix_cache_are_reported_as_openai_does(tiny_model_dir):
+    """`usage.prompt_tokens_details.cached_tokens` where the engine counts them (every backend
+    does), streamed and not; absent where it does not say."""
+    engine = FakeEngine(Reply([ANSWER], cached_tokens=16))
+
+    async def main():
+        async with serve_fake(engine, tiny_model_dir) as http:
+            client = openai_client(http)
+            full = await client.chat.completions.create(model="fake", messages=QUESTION)
+            stream = await client.chat.completions.create(model="fake", messages=QUESTION, stream=True,
+                                                          stream_options={"include_usage": True})
+            last = [c async for c in stream][-1]
+            engine.reply = Reply([ANSWER])
+            unknown = await http.post("/v1/chat/completions", json=chat_body())
+        return full, last, unknown.json()
+
+    full, last, unknown = asyncio.run(main())
+    assert full.usage.prompt_tokens_details.cached_tokens == 16
+    assert last.usage == full.usage
+    assert "prompt_tokens_details" not in unknown["usage"]

@@ -71,3 +71,19 @@ def test_completion_logprobs_and_text_offsets_continue_across_chunks(tiny_model_
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for s in streamed for t in s.tokens] == OUTPUT
     assert [o for s in streamed for o in s.text_offset] == offsets  # offsets into the whole text, not the chunk
+
+
+def test_cached_tokens_of_several_prompts_add_up(tiny_model_dir):
+    engine = FakeEngine(Reply([OUTPUT], cached_tokens=3))
+
+    async def main():
+        async with serve_fake(engine, tiny_model_dir) as http:
+            client = openai_client(http)
+            full = await client.completions.create(model="fake", prompt=[PROMPT, PROMPT + "!"], max_tokens=2)
+            r = await http.post("/v1/completions", json={"model": "fake", "prompt": [PROMPT, PROMPT], "max_tokens": 2,
+                                                         "stream": True, "stream_options": {"include_usage": True}})
+        return full, sse_events(r.text)[-2]
+
+    full, last = asyncio.run(main())
+    assert full.usage.prompt_tokens_details.cached_tokens == 6
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 6}

@@ -349,3 +349,14 @@ def test_bad_input_is_a_400_naming_the_field(tiny_model_dir, fields, param, word
     err = run(FakeEngine(), tiny_model_dir, scenario)
     assert err.body["param"] == param, err.body
     assert words.lower() in err.message.lower(), err.message
+
+
+def test_cached_input_tokens_are_the_engines(tiny_model_dir):
+    async def scenario(client):
+        full = await client.responses.create(model="fake", input=QUESTION)
+        stream = await client.responses.create(model="fake", input=QUESTION, stream=True)
+        return full, [e async for e in stream][-1].response
+
+    full, streamed = run(FakeEngine(Reply([ANSWER], cached_tokens=7)), tiny_model_dir, scenario)
+    assert full.usage.input_tokens_details.cached_tokens == 7
+    assert streamed.usage.input_tokens_details.cached_tokens == 7

@@ -197,6 +197,16 @@ def test_cumulative_text_becomes_deltas_with_usage():
     assert [d.num_tokens for d in (d1, d2, d3)] == [1, 1, 4]
     assert d3.finish_reason == "stop" and d3.stop_reason is None  # EOS: no stop reason (vLLM, OpenAI)
     assert parser.done and parser.usage().prompt_tokens == 3 and parser.usage().completion_tokens == 6
+    assert parser.usage().cached_tokens is None  # not in these meta_info
+
+
+def test_radix_cache_hits_become_cached_tokens():
+    """SGLang's `meta_info.cached_tokens` (per choice): the most any choice found."""
+    parser = StreamParser(SamplingParams(n=2))
+    length = {"type": "length", "length": 1}
+    parser.feed(out("A", 1, length, 0, cached_tokens=0))
+    parser.feed(out("B", 1, length, 1, rid="r2", cached_tokens=2))
+    assert parser.usage().cached_tokens == 2
 
 
 def test_finish_reasons_are_mapped():

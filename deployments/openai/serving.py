@@ -12,7 +12,7 @@ from typing import Any, AsyncGenerator, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from openai.types import CompletionUsage
-from openai.types.completion_usage import CompletionTokensDetails
+from openai.types.completion_usage import CompletionTokensDetails, PromptTokensDetails
 from pydantic import BaseModel
 
 from deployments.serve.router import ServedModel, ModelRouter
@@ -100,9 +100,13 @@ class OpenAIServing:
 
 def usage_info(usage: Usage | None, reasoning_tokens: int | None = None) -> CompletionUsage:
     """OpenAI's `usage` of an engine's `Usage` (zeros when the engine reported none); with
-    `reasoning_tokens`, `completion_tokens_details.reasoning_tokens` (part of `completion_tokens`)."""
-    details = ({"completion_tokens_details": CompletionTokensDetails(reasoning_tokens=reasoning_tokens)}
-               if reasoning_tokens is not None else {})
+    `reasoning_tokens`, `completion_tokens_details.reasoning_tokens` (part of `completion_tokens`);
+    where the engine counted them, `prompt_tokens_details.cached_tokens` (the prompt tokens its
+    prefix cache served, as OpenAI and `vllm serve --enable-prompt-tokens-details` report)."""
+    details: dict = ({"completion_tokens_details": CompletionTokensDetails(reasoning_tokens=reasoning_tokens)}
+                     if reasoning_tokens is not None else {})
+    if usage is not None and usage.cached_tokens is not None:
+        details["prompt_tokens_details"] = PromptTokensDetails(cached_tokens=usage.cached_tokens)
     if usage is None:
         return CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0, **details)
     return CompletionUsage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,

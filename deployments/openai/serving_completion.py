@@ -102,9 +102,9 @@ class CompletionServing(OpenAIServing):
                                     for r, p in zip(gen_requests, prompts)])
         choices = [self._choice(body, entry, p, full, i)
                    for p, full in zip(prompts, fulls) for i in range(body.n)]
-        usages = [full.usage or Usage(len(p.ids), 0) for p, full in zip(prompts, fulls)]
-        usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
-                      completion_tokens=0 if body.echo_only else sum(u.completion_tokens for u in usages))
+        usage = Usage.sum([full.usage or Usage(len(p.ids), 0) for p, full in zip(prompts, fulls)])
+        if body.echo_only:
+            usage.completion_tokens = 0
         return json_response(CompletionResponse(
             id=request_id, object="text_completion", created=created, model=entry.model_id,
             usage=usage_info(usage), choices=choices,
@@ -264,9 +264,7 @@ async def merge_streams(started: list[tuple[list[GenerationDelta], AsyncIterator
                     continue
                 pending[asyncio.ensure_future(anext(streams[p]))] = p
                 yield renumber(p, delta)
-        totals = [u for u in usages if u is not None]
-        yield GenerationDelta(index=0, usage=Usage(sum(u.prompt_tokens for u in totals),
-                                                   sum(u.completion_tokens for u in totals)))
+        yield GenerationDelta(index=0, usage=Usage.sum([u for u in usages if u is not None]))
     finally:
         for task in pending:
             task.cancel()

@@ -229,7 +229,9 @@ class ResponseBuilder:
     def usage(usage: Usage | None, reasoning_tokens: int | None) -> ResponseUsage:
         """OpenAI's Responses `usage` of an engine's (zeros where it reported none)."""
         prompt, completion = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
-        return ResponseUsage(input_tokens=prompt, input_tokens_details={"cached_tokens": 0, "cache_write_tokens": 0},
+        cached = (usage.cached_tokens if usage else None) or 0
+        return ResponseUsage(input_tokens=prompt,
+                             input_tokens_details={"cached_tokens": cached, "cache_write_tokens": 0},
                              output_tokens=completion,
                              output_tokens_details={"reasoning_tokens": reasoning_tokens or 0},
                              total_tokens=prompt + completion)
@@ -251,7 +253,9 @@ class ResponseBuilder:
             self.items.append(self._call_item(_item_id("fc"), call_id, call, "completed"))
         details = completion.usage.completion_tokens_details
         reasoning_tokens = details.reasoning_tokens if details is not None else None
-        usage = Usage(completion.usage.prompt_tokens, completion.usage.completion_tokens)
+        prompt_details = completion.usage.prompt_tokens_details
+        usage = Usage(completion.usage.prompt_tokens, completion.usage.completion_tokens,
+                      prompt_details.cached_tokens if prompt_details else None)
         return self.response(status, self.items, self.usage(usage, reasoning_tokens))
 
     def conversation(self) -> list[dict[str, Any]]:

@@ -406,7 +406,8 @@ class HuggingFaceEngine(Engine):
                 done = all(c.finished for c in state.choices)
                 if done:
                     usage = Usage(prompt_tokens=len(state.prompt_ids),
-                                  completion_tokens=sum(c.num_tokens for c in state.choices))
+                                  completion_tokens=sum(c.num_tokens for c in state.choices),
+                                  cached_tokens=batch_request.cached_tokens)
                     if deltas:
                         deltas[-1].usage = usage
                     else:

@@ -119,6 +119,8 @@ class BatchRequest:
     finished_choices: set[int] = field(default_factory=set)
     arrival_time: float = 0.0  # time.monotonic() when submitted (s), as vLLM's Request.arrival_time
     scheduled_time: float | None = None  # time.monotonic() when admitted to the batch (s)
+    # prompt tokens whose KV came from the prefix cache, set at admission (`_reuse_prefixes`)
+    cached_tokens: int = 0
     # filled by the prefill when `params.prompt_logprobs` is set: one entry per prompt token,
     # None for the first; complete before the request's first token event is emitted
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
@@ -534,6 +536,8 @@ class ContinuousBatcher:
                         self.prefix_cache.lookup(request.prompt_ids, namespace, len(request.prompt_ids) - 1))
         start = min(pad + (hit.length if hit else 0) for pad, hit in zip(pads, hits))
         # What is reused, not what was found: a row's hit past `start` is prefilled again.
+        for pad, request in zip(pads, job.requests):
+            request.cached_tokens = max(0, start - pad)
         reused = sum(max(0, start - pad) for pad in pads)
         if not reused:
             return

@@ -3,7 +3,8 @@
 Wire shapes mirror SGLang's source (sgl-project/sglang, `python/sglang/srt/`):
 `entrypoints/http_server.py` (routes, SSE framing, error bodies), `managers/io_struct.py`
 (`GenerateReqInput`, `AbortReq`), `managers/tokenizer_manager.py` (`meta_info`: `id`,
-`finish_reason`, `prompt_tokens`, `completion_tokens`; `index` for `n > 1`; logprobs as
+`finish_reason`, `prompt_tokens`, `completion_tokens`, `cached_tokens` (radix-cache hits);
+`index` for `n > 1`; logprobs as
 `[logprob, token_id, text]`), `managers/schedule_batch.py` (`finish_reason` objects
 `{"type": "stop", "matched": ...}`, `{"type": "length", "length": n}`, `{"type": "abort", ...}`),
 `sampling/sampling_params.py` (sampling fields; `top_k: -1` = off, `temperature: 0` = greedy)
@@ -130,13 +131,15 @@ class StreamParser:
         self._prompt_logprobs_sent = False
         self.rids: set[str] = set()
         self.prompt_tokens = 0
+        self.cached_tokens: int | None = None
 
     @property
     def done(self) -> bool:
         return all(c.finished for c in self.choices)
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=sum(c.num_tokens for c in self.choices))
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=sum(c.num_tokens for c in self.choices),
+                     cached_tokens=self.cached_tokens)
 
     def feed(self, out: dict[str, Any]) -> GenerationDelta | None:
         """One `data:` object of the stream -> a delta, or None while nothing can be passed on.
@@ -164,6 +167,8 @@ class StreamParser:
         if meta.get("id"):
             self.rids.add(str(meta["id"]))
         self.prompt_tokens = int(meta.get("prompt_tokens", self.prompt_tokens))
+        if "cached_tokens" in meta:  # per choice; they share the prompt, so the most any of them found
+            self.cached_tokens = max(self.cached_tokens or 0, int(meta["cached_tokens"]))
         tokens = int(meta.get("completion_tokens", choice.num_tokens))
         logprobs = self._new_logprobs(index, meta)
         text = out.get("text")
