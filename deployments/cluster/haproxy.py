@@ -77,6 +77,7 @@ from typing import Callable, TextIO
 
 from pydantic import ValidationError
 
+from deployments.serve.model_client import SESSION_HEADER
 from deployments.settings import Settings, settings
 
 #: HAProxy's command-line flag that disables kernel TCP splicing (= `nosplice` in `global`).
@@ -404,10 +405,6 @@ def bounded_socket_buffers(lines: list[str], s: Settings, pages: Path) -> None:
     start, _ = _section(lines, "global")
     _insert(lines, start + 1, [f"tune.sndbuf.client {s.haproxy_socket_buffer_bytes}",
                                f"tune.rcvbuf.server {s.haproxy_socket_buffer_bytes}"])
-
-
-#: The request header that keeps a conversation on one replica (`session_affinity`).
-SESSION_HEADER = "x-session-id"
 
 
 def session_affinity(lines: list[str], s: Settings, pages: Path) -> None:

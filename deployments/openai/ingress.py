@@ -31,7 +31,7 @@ from deployments.serve.deployment_defaults import INGRESS_DEPLOYMENT_DEFAULTS
 from deployments.serve.drain import watch_for_stop
 from deployments.openai.errors import to_error_response
 from deployments.metrics import ingress_metrics
-from deployments.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from deployments.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, SessionIdMiddleware
 from deployments.serve.model_client import InProcessClient, ReplicaClient
 from deployments.replica_log import send_package_logs_to_replica_log
 from deployments.openai.protocol import (
@@ -142,6 +142,7 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     app.post("/detokenize")(ingress.detokenize)
     settings = ingress.settings
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(SessionIdMiddleware)
     # outside the size limit and the routes: a request without a key gets 401 whatever its body
     docs = {app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url} - {None}
     app.add_middleware(APIKeyMiddleware, api_keys=ingress.api_keys, public_paths=PUBLIC_PATHS | docs,

@@ -10,6 +10,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.openai.errors import to_error_response
+from deployments.serve.model_client import SESSION_HEADER, SESSION_ID
 from engines.errors import ErrorKind, ServingError
 
 
@@ -104,3 +105,22 @@ class APIKeyMiddleware:
         status, body = to_error_response(ServingError(
             ErrorKind.AUTHENTICATION, "Invalid or missing API key. Send it as 'Authorization: Bearer <key>'."))
         await _send_json(send, status, body.model_dump_json().encode())
+
+
+class SessionIdMiddleware:
+    """Make the request's session header (`x-session-id`) the `SESSION_ID` of everything that
+    serves it, so the calls to the model's replicas carry it as Ray Serve's `session_id`."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        session_id = Headers(scope=scope).get(SESSION_HEADER, "") if scope["type"] == "http" else ""
+        if not session_id:
+            await self.app(scope, receive, send)
+            return
+        token = SESSION_ID.set(session_id[:256])
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            SESSION_ID.reset(token)

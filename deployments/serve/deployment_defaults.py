@@ -65,6 +65,14 @@ _REPLICA_LIFECYCLE: dict = {
 }
 
 
+#: lmserve's cache-aware request router (deployments/serve/request_router.py), the default of every
+#: model deployment: a request goes to the replica that holds its session or prompt prefix in
+#: its engine's cache. `POWER_OF_TWO_ROUTER` (Ray Serve's default) turns it off.
+PREFIX_AFFINITY_ROUTER = "deployments.serve.request_router:PrefixAffinityRouter"
+POWER_OF_TWO_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+_ROUTING: dict = {"request_router_config": {"request_router_class": PREFIX_AFFINITY_ROUTER}}
+
+
 def _autoscaling(backend: str) -> dict:
     return {**AUTOSCALING_DEFAULTS, "target_ongoing_requests": TARGET_ONGOING_REQUESTS[backend]}
 
@@ -80,6 +88,7 @@ MODEL_DEPLOYMENT_DEFAULTS: dict[str, dict] = {
         "max_queued_requests": 32,
         "ray_actor_options": {"num_cpus": 1.0},
         **_REPLICA_LIFECYCLE,
+        **_ROUTING,
     },
     # vLLM batches concurrent requests itself, so one replica takes many at once. Its device
     # resources (GPU bundles or CPUs) are added per model by `vllm_placement_options`.
@@ -88,6 +97,7 @@ MODEL_DEPLOYMENT_DEFAULTS: dict[str, dict] = {
         "max_ongoing_requests": 64,
         "max_queued_requests": 128,
         **_REPLICA_LIFECYCLE,
+        **_ROUTING,
     },
     # The SGLang server runs as a child process of the replica, on the replica's GPUs
     # (`sglang_replica_options` adds them per model). Health checks probe the server's /health.
@@ -96,6 +106,7 @@ MODEL_DEPLOYMENT_DEFAULTS: dict[str, dict] = {
         "max_ongoing_requests": 64,
         "max_queued_requests": 128,
         **_REPLICA_LIFECYCLE,
+        **_ROUTING,
     },
     # SGLang + kt-kernel: one GPU, kt_cpuinfer CPUs and RAM for the experts (`kt_replica_options`).
     "ktransformers": {
@@ -103,6 +114,7 @@ MODEL_DEPLOYMENT_DEFAULTS: dict[str, dict] = {
         "max_ongoing_requests": 16,
         "max_queued_requests": 32,
         **_REPLICA_LIFECYCLE,
+        **_ROUTING,
     },
 }
 

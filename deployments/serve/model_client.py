@@ -10,12 +10,20 @@ code path for either.
 from __future__ import annotations
 
 import asyncio
+from contextvars import ContextVar
 from typing import Any, AsyncIterator
 
 from engines.base import Engine, GenerationDelta, GenerationRequest, ModelInfo
 from engines.errors import ServingError
 
 StreamItem = list[GenerationDelta] | ServingError
+
+#: The request header that keeps a conversation on one replica: Ray Serve's default session
+#: header, honoured by the request router (two hops) and by HAProxy (`session_affinity`).
+SESSION_HEADER = "x-session-id"
+#: The HTTP request's `SESSION_HEADER`, set by the ingress's `SessionIdMiddleware`; "" when the
+#: request has none.
+SESSION_ID: ContextVar[str] = ContextVar("lmserve_session_id", default="")
 
 
 class ReplicaClient:
@@ -31,13 +39,18 @@ class ReplicaClient:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StreamItem]:
         """The replica's stream (deltas grouped for `STREAM_BATCHING_INTERVAL_S`). Closing it
-        (or cancelling the task reading it) cancels the request on the replica.
+        (or cancelling the task reading it) cancels the request on the replica. The request's
+        `SESSION_ID` goes with it as Ray Serve's `session_id`, which the model's request router
+        may route by (deployments/serve/request_router.py).
 
         Raises:
             ray.serve.exceptions.BackPressureError: the deployment's queue is full.
             ray.exceptions.RayActorError and similar: the replica failed (`is_replica_failure`).
         """
-        response = self._stream_handle.generate.remote(request)
+        handle = self._stream_handle
+        if session_id := SESSION_ID.get():
+            handle = handle.options(session_id=session_id)
+        response = handle.generate.remote(request)
         try:
             async for item in response:
                 yield item

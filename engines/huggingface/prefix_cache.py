@@ -2,12 +2,9 @@
 sequences, so a request whose prompt starts with tokens already computed (a shared system
 prompt, a chat's earlier turns) prefills only the rest.
 
-Lookup is vLLM's block hashing (vLLM `v1/core/kv_cache_utils.py` `hash_block_tokens`): a prompt's
-full blocks of `block_tokens` tokens are each named by a SHA-256 chained over the blocks before
-it and seeded with a namespace (the LoRA adapter), so one dictionary probe per block finds the
-longest cached prefix, and a block's name stands for every token before it. SHA-256, not
-Python's `hash`: a prompt crafted to collide with another user's prefix would be answered from
-that user's KV (vLLM's advisory GHSA-rm76-4mrf-v9r8; SHA-256 is vLLM's default since 0.10.2).
+Lookup is vLLM's block hashing (engines/block_hash.py): a prompt's full blocks are each named
+by a SHA-256 chained over the blocks before it and seeded with a namespace (the LoRA adapter),
+so one dictionary probe per block finds the longest cached prefix.
 
 Storage is SGLang's radix tree (`RadixCache`) of segments: a sequence adds only the blocks past
 its longest cached prefix, as one segment whose parent is the segment holding that prefix, so a
@@ -20,15 +17,12 @@ leaf segments go first.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-#: Tokens per block: the granularity of a hit (vLLM's default block size).
-BLOCK_TOKENS = 16
+from engines.block_hash import BLOCK_TOKENS, block_hashes
 
 # KV of a sequence: per layer (keys, values), each (kv_heads, tokens, head_dim).
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -84,12 +78,7 @@ class PrefixCache:
 
     def block_hashes(self, tokens: list[int], namespace: str = "") -> list[bytes]:
         """The chained hash of each full block of `tokens` (a partial last block has none)."""
-        hashes, previous = [], hashlib.sha256(namespace.encode()).digest()
-        data, size = array("q", tokens).tobytes(), self.block_tokens * 8  # int64 per token
-        for end in range(size, len(data) + 1, size):
-            previous = hashlib.sha256(previous + data[end - size:end]).digest()
-            hashes.append(previous)
-        return hashes
+        return block_hashes(tokens, namespace, self.block_tokens)
 
     def _longest(self, hashes: list[bytes]) -> int:
         """How many of `hashes`' leading blocks are cached."""

@@ -1,0 +1,205 @@
+"""Cache-aware routing from an ingress to a model's replicas: `PrefixAffinityRouter`, a Ray Serve
+request router (`request_router_config.request_router_class`) that sends a request to the
+replica that already holds the longest prefix of its prompt, or its session, unless that
+replica is loaded well above the others.
+
+Every engine lmserve runs caches prompt prefixes (the huggingface engine's prefix cache, vLLM's
+automatic prefix caching, SGLang's radix cache), but only on the replica that computed them;
+Ray Serve's default power-of-two-choices router sends a conversation's next turn to any
+replica. The policy is SGLang router's cache-aware policy (`sgl-model-gateway`, `cache_aware`)
+and Ray Serve LLM's `PrefixCacheAffinityRouter`, on token ids instead of text:
+
+- each router keeps an approximate index of what each replica has seen: the chained hash of
+  every full block of every prompt routed there (`PrefixAffinityIndex`, the engines' block
+  hashing: engines/block_hash.py), bounded in blocks, least recently used first;
+- a request goes to the replicas with the longest matching prefix when it covers at least
+  `match_rate_threshold` of the prompt; a request carrying a session ID (Ray Serve's
+  `session_id`, from the `x-session-id` header) goes first to the replica that served the
+  session before;
+- unless the preferred replica's queue is more than `imbalanced_threshold` requests longer than
+  the shortest one, or it is full: then, as for a prompt nothing matches, power of two choices.
+
+The index is per router, so per ingress replica: two ingress replicas may place the same
+prefix on two model replicas (each keeps it afterwards). Ray Serve LLM shares one index between
+routers through a detached actor and a blocking call per request; lmserve keeps the routing
+decision local and cheap instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from typing import Any
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+
+from engines.base import GenerationRequest
+from engines.block_hash import BLOCK_TOKENS, block_hashes
+
+logger = logging.getLogger("ray.serve")
+
+
+class PrefixAffinityIndex:
+    """Which replica saw which prompt prefixes and sessions; no Ray in it.
+
+    Args:
+        max_blocks: block hashes held (each names a prompt prefix and the replicas that saw it);
+            the least recently used go first.
+        max_sessions: session IDs held, least recently used first.
+        block_tokens: tokens per block.
+    """
+
+    def __init__(self, max_blocks: int = 65536, max_sessions: int = 100_000, block_tokens: int = BLOCK_TOKENS):
+        self.max_blocks = max_blocks
+        self.max_sessions = max_sessions
+        self.block_tokens = block_tokens
+        self._blocks: OrderedDict[bytes, set[Any]] = OrderedDict()
+        self._sessions: OrderedDict[str, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def hashes(self, tokens: list[int], namespace: str = "") -> list[bytes]:
+        return block_hashes(tokens, namespace, self.block_tokens)
+
+    def longest(self, hashes: list[bytes], replicas: set[Any]) -> tuple[set[Any], int]:
+        """The replicas of `replicas` that saw the longest prefix of `hashes`, and its length in
+        blocks; (empty set, 0) when none saw the first block."""
+        best: set[Any] = set()
+        matched = 0
+        alive = replicas
+        for block in hashes:
+            holders = self._blocks.get(block)
+            if not holders or not (alive := alive & holders):
+                break
+            best, matched = alive, matched + 1
+        return best, matched
+
+    def session_replica(self, session_id: str) -> Any | None:
+        return self._sessions.get(session_id) if session_id else None
+
+    def record(self, replica: Any, hashes: list[bytes], session_id: str = "") -> None:
+        """`replica` was sent a prompt of these block hashes (and this session)."""
+        # Deepest first, so a shared root is the most recently used and eviction takes leaves first.
+        for block in reversed(hashes):
+            holders = self._blocks.get(block)
+            if holders is None:
+                self._blocks[block] = {replica}
+            else:
+                holders.add(replica)
+                self._blocks.move_to_end(block)
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+        if session_id:
+            self._sessions[session_id] = replica
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+
+    def remove(self, gone: set[Any]) -> None:
+        """Forget replicas that left (their caches went with them)."""
+        if not gone:
+            return
+        for block in list(self._blocks):
+            holders = self._blocks[block]
+            holders -= gone
+            if not holders:
+                del self._blocks[block]
+        for session_id in [s for s, r in self._sessions.items() if r in gone]:
+            del self._sessions[session_id]
+
+
+def routing_key(pending_request: PendingRequest | None) -> GenerationRequest | None:
+    """The generation a pending `ModelServer.generate` call carries; None for other calls
+    (`score`, `embed`, `model_info`) and for prompts with images (their placeholder tokens do
+    not name the image, and the engines do not cache them by token id)."""
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    if not isinstance(request, GenerationRequest) or request.media is not None:
+        return None
+    return request
+
+
+class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
+    """Ray Serve request router: the replica holding a request's session or longest prompt
+    prefix first, power of two choices otherwise (see the module's docstring).
+
+    `request_router_kwargs` (all optional): `imbalanced_threshold` (requests, default 4: a
+    preferred replica whose queue is longer than the shortest by more is passed over),
+    `match_rate_threshold` (0-1, default 0.1: the share of the prompt a match must cover),
+    `max_blocks` (65536), `max_sessions` (100000).
+
+    A replica's load is the requests this router has sent it that have not completed
+    (`on_request_routed` / `on_request_completed`): every ingress replica routes its own
+    requests, and Ray's queue-length cache is only kept with strict `max_ongoing_requests`. A
+    full replica is still skipped by Ray's selection, whatever the preference.
+    """
+
+    def initialize_state(self, imbalanced_threshold: int = 4, match_rate_threshold: float = 0.1,
+                         max_blocks: int = 65536, max_sessions: int = 100_000, **kwargs) -> None:
+        if kwargs:
+            raise ValueError(f"unknown request_router_kwargs for PrefixAffinityRouter: {sorted(kwargs)}")
+        if imbalanced_threshold < 0 or not 0 <= match_rate_threshold <= 1 or max_blocks < 1 or max_sessions < 0:
+            raise ValueError("PrefixAffinityRouter needs imbalanced_threshold >= 0, 0 <= match_rate_threshold <= 1, "
+                             "max_blocks >= 1 and max_sessions >= 0")
+        self.imbalanced_threshold = imbalanced_threshold
+        self.match_rate_threshold = match_rate_threshold
+        self.index = PrefixAffinityIndex(max_blocks, max_sessions)
+        self.in_flight: dict[ReplicaID, int] = {}
+        # (internal request ID, replica) -> generations routed and not completed; one HTTP request
+        # may send several (a completions request with several prompts)
+        self._routed: Counter[tuple[str, ReplicaID]] = Counter()
+
+    def preferred(self, candidates: list[RunningReplica], request: GenerationRequest,
+                  session_id: str) -> list[RunningReplica]:
+        """The replicas to try before power of two choices: the session's, else those with the
+        longest prefix of the prompt (least loaded first); empty when none, when the match is
+        too short, or when they are loaded more than `imbalanced_threshold` above the least."""
+        by_id = {r.replica_id: r for r in candidates}
+        chosen: list[ReplicaID] = []
+        if (sticky := self.index.session_replica(session_id)) in by_id:
+            chosen = [sticky]
+        else:
+            hashes = self.index.hashes(request.prompt_token_ids, request.lora_name or "")
+            best, matched = self.index.longest(hashes, set(by_id))
+            if best and matched * self.index.block_tokens >= self.match_rate_threshold * len(request.prompt_token_ids):
+                chosen = sorted(best, key=lambda rid: self.in_flight.get(rid, 0))
+        least = min(self.in_flight.get(rid, 0) for rid in by_id) if chosen else 0
+        return [by_id[rid] for rid in chosen if self.in_flight.get(rid, 0) - least <= self.imbalanced_threshold]
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        fallback = await super().choose_replicas(candidate_replicas, pending_request)
+        request = routing_key(pending_request)
+        if request is None or not fallback or pending_request.metadata.multiplexed_model_id:
+            return fallback
+        preferred = self.preferred(candidate_replicas, request, pending_request.metadata.session_id)
+        return [preferred, *fallback] if preferred else fallback
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        request = routing_key(pending_request)
+        if request is None:
+            return
+        self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
+        self._routed[pending_request.metadata.internal_request_id, replica_id] += 1
+        hashes = self.index.hashes(request.prompt_token_ids, request.lora_name or "")
+        self.index.record(replica_id, hashes, pending_request.metadata.session_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        key = (internal_request_id, replica_id)
+        if self._routed[key] > 0:
+            self._routed[key] -= 1
+            if not self._routed[key]:
+                del self._routed[key]
+            if replica_id in self.in_flight:
+                self.in_flight[replica_id] -= 1
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = set(self._replica_id_set)
+        super().update_replicas(replicas)
+        gone = before - self._replica_id_set
+        self.index.remove(gone)
+        for replica_id in gone:
+            self.in_flight.pop(replica_id, None)
