@@ -110,8 +110,10 @@ def _on_event(data: str, record: RequestRecord, now: float) -> bool:
     event = json.loads(data)
     if "error" in event:
         raise RuntimeError(f"error in stream: {event['error']}")
-    if event.get("usage"):
-        record.completion_tokens = event["usage"].get("completion_tokens")
+    if usage := event.get("usage"):
+        record.completion_tokens = usage.get("completion_tokens")
+        record.prompt_tokens = usage.get("prompt_tokens")
+        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     for choice in event.get("choices") or []:
         text = (choice.get("delta") or {}).get("content") or ""
         if text:

@@ -37,6 +37,9 @@ class RequestRecord:
     end: float | None = None
     chunks: list[Chunk] = field(default_factory=list)
     completion_tokens: int | None = None
+    # the server's usage.prompt_tokens and .prompt_tokens_details.cached_tokens, where it sent them
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     tokens_counted: bool = False
     finish_reason: str | None = None
     error: str | None = None

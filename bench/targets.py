@@ -64,6 +64,9 @@ class Settings:
     client: str = CLIENTS[0]
     # extra engine config fields for lmserve's and the in-process targets (`--engine-args`)
     engine_args: dict = field(default_factory=dict)
+    # lmserve targets' layout: None = serve_config.yaml's (direct streaming, unless
+    # LMSERVE_DIRECT_STREAMING=0); False = the ingress -> model layout
+    direct_streaming: bool | None = None
 
     @property
     def prompts(self) -> list[str]:
@@ -148,13 +151,17 @@ def backend_python(backend: str, s: Settings) -> Path:
 # ---- HTTP servers ----------------------------------------------------------------------------
 
 def lmserve_spec(backend: str, s: Settings, port: int) -> ServerSpec:
+    from deployments.serve.deployment_options import deep_merge
+    from deployments.settings import direct_streaming_env
+
     python = backend_python(backend, s)
     entry = {"model_id": MODEL_ID, "model_name_or_path": "smollm2", "infer_backend": backend,
              "infer_dtype": "float32",
              # Room for the highest level: requests over max_ongoing_requests queue in Ray Serve.
              # Both cores for the replica, as serve_config.yaml (and bench/serve_config_vllm.yaml).
              "deployment": {"max_ongoing_requests": max(32, *s.levels), "ray_actor_options": {"num_cpus": 2}},
-             **s.engine_args}
+             **{k: v for k, v in s.engine_args.items() if k != "deployment"}}
+    entry["deployment"] = deep_merge(entry["deployment"], s.engine_args.get("deployment", {}))
     if backend == "vllm":
         entry["vllm_maxlen"] = 4096  # as `vllm serve --max-model-len 4096`
         entry["deployment"]["ray_actor_options"]["runtime_env"] = {
@@ -162,10 +169,9 @@ def lmserve_spec(backend: str, s: Settings, port: int) -> ServerSpec:
     temp_dir = tempfile.mkdtemp(prefix="lmbench-ray-")
     # The topology of serve_config.yaml (direct streaming for its one model), unless
     # LMSERVE_DIRECT_STREAMING=0 asks for the ingress -> model layout.
-    from deployments.settings import direct_streaming_env
-
     cmd = [str(python), "-m", "bench.lmserve_server", "--port", str(port), "--ray-temp-dir", temp_dir,
-           "--args", json.dumps({"models": [entry], "direct_streaming": direct_streaming_env(True)})]
+           "--args", json.dumps({"models": [entry], "direct_streaming": direct_streaming_env(True)
+                                 if s.direct_streaming is None else s.direct_streaming})]
     env = venvs.clean_env(VLLM_CPU_KVCACHE_SPACE=str(s.kvcache_gib), VLLM_TARGET_DEVICE="cpu")
     env.pop("API_KEY", None)
     return ServerSpec(cmd, env, f"lmserve, infer_backend {backend}, float32, local Ray cluster (2 CPUs)",

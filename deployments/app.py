@@ -197,7 +197,14 @@ def direct_streaming_options(model_id: str, config: EngineConfig, user: dict) ->
     """
     from deployments.serve.direct_streaming import DirectStreamingServer
 
+    if "request_router_config" in user:
+        raise ConfigError(f"model {model_id!r}: deployment.request_router_config does not apply with direct_streaming: "
+                          "HTTP requests reach the replicas through HAProxy (or Ray's proxy), not a Serve request "
+                          "router; send x-session-id to keep a conversation on one replica, or turn direct_streaming "
+                          "off for cache-aware routing")
     opts = _model_options(model_id, config, user, server=DirectStreamingServer)
+    # The two-hop layout's router; Ray refuses a custom one on an ingress behind HAProxy.
+    opts.pop("request_router_config", None)
     queued = opts.pop("max_queued_requests", -1)
     max_requests = None if queued == -1 else opts["max_ongoing_requests"] + queued
     opts["max_ongoing_requests"] = max(INGRESS_DEPLOYMENT_DEFAULTS["max_ongoing_requests"], (max_requests or 0) + 1)

@@ -108,7 +108,8 @@ class _Client:
         self.finished: dict[str, threading.Event] = {}
         self.errors: list[BaseException] = []
 
-    def submit(self, name: str, prompt: list[int], max_tokens: int, n: int = 1, lora_name: str | None = None) -> None:
+    def submit(self, name: str, prompt: list[int], max_tokens: int, n: int = 1,
+               lora_name: str | None = None) -> BatchRequest:
         self.tokens[name] = {i: [] for i in range(n)}
         done = self.finished[name] = threading.Event()
         open_choices = set(range(n))
@@ -125,8 +126,10 @@ class _Client:
             if not open_choices:
                 done.set()
 
-        self.batcher.submit(BatchRequest(name, prompt, SamplingParams(temperature=0, ignore_eos=True, n=n),
-                                         max_tokens, set(), torch.Generator(), emit, lora_name=lora_name))
+        request = BatchRequest(name, prompt, SamplingParams(temperature=0, ignore_eos=True, n=n), max_tokens, set(),
+                               torch.Generator(), emit, lora_name=lora_name)
+        self.batcher.submit(request)
+        return request
 
     def wait_for_tokens(self, name: str, count: int) -> None:
         deadline = time.monotonic() + 60
@@ -367,3 +370,62 @@ def test_a_prefill_counts_the_cached_tokens_it_reuses_not_those_it_found():
     job = batcher._start_prefill([request("cold", cold), request("warm", warm)])
     # warm's 64 cached tokens (4 blocks) were found; the prefill starts at column 35
     assert job.done == 35 and batcher.prefix_cache.hit_tokens == 35
+
+
+def test_a_thousand_requests_keep_the_prefix_cache_within_its_bound_and_leak_nothing():
+    """Issue 39's soak: 1,008 requests (a shared 64-token prefix, then distinct tails of 40-199
+    tokens; every 7th cancelled as soon as it is submitted, before or during its prefill, so
+    some are cancelled while their blocks would be inserted) through a batcher whose prefix
+    cache holds 1,024 tokens, in waves of 16. The cache's size never passes the bound and stays
+    flat once full, every block it indexes belongs to a segment it holds, the shared prefix keeps
+    being hit, and the batcher ends with nothing running or waiting."""
+    model = _model("llama")
+    bound, shared = 1024, _prompt(80, 64)
+    sizes, hits = [], []
+
+    def schedule(client):
+        cache = client.batcher.prefix_cache
+        for wave in range(63):
+            for i in range(wave * 16, wave * 16 + 16):
+                request = client.submit(f"r{i}", shared + _prompt(1000 + i, 40 + i * 37 % 160), 2)
+                if i % 7 == 0:
+                    client.batcher.cancel(request)
+                    del client.finished[f"r{i}"]  # a cancelled request is not answered
+            client.wait()
+            sizes.append(cache.tokens)
+            hits.append(cache.hit_tokens)
+
+    client = _run(model, schedule, prefix_cache_tokens=bound)
+    cache = client.batcher.prefix_cache
+    assert max(sizes) <= bound
+    assert min(sizes[len(sizes) // 2:]) >= bound - 200  # full (one tail less at most) and flat
+    held = sum(segment.length for segment in cache._segments)
+    assert held == cache.tokens and len(cache._index) == held // cache.block_tokens
+    assert all(segment in cache._segments for segment in cache._index.values())
+    assert hits[-1] > hits[len(hits) // 2] > 0
+    assert client.batcher.num_running == 0 and client.batcher.num_waiting == 0
+    assert not client.batcher._rows
+
+
+def test_a_prompt_with_a_cached_prefix_is_not_prefilled_with_a_cold_one():
+    """Admitted together, a prompt whose 64-token prefix is cached and a cold 90-token one
+    would prefill as one job from the cold one's first column, reusing 29 of the 64 cached
+    tokens; admission splits them: the warm one now, reusing all 64, the cold one next."""
+    model = _model("llama")
+    cached = _prompt(90, 70)
+    client = _run(model, lambda c: c.submit("first", cached, 4), prefix_cache_tokens=10_000)
+    batcher = client.batcher
+
+    def request(name, prompt):
+        return BatchRequest(name, prompt, SamplingParams(temperature=0), 4, set(), torch.Generator(), lambda _: None)
+
+    cold, warm = request("cold", _prompt(91, 90)), request("warm", cached + _prompt(92, 5))
+    batcher._waiting.extend([cold, warm])
+    assert batcher._admit() == [warm] and list(batcher._waiting) == [cold]
+    job = batcher._start_prefill([warm])
+    assert job.done == 64 and warm.cached_tokens == 64
+    # prompts with as much to compute go together, in their order
+    batcher._waiting.clear()
+    same = [request(f"c{k}", _prompt(93 + k, 40 + k)) for k in range(3)]
+    batcher._waiting.extend(same)
+    assert batcher._admit() == same

@@ -239,3 +239,17 @@ def test_every_model_deployment_routes_by_prefix_unless_told_otherwise(backend):
     off = {"request_router_config": {"request_router_class": POWER_OF_TWO_ROUTER}}
     assert model_deployment_options("m", backend_config(backend), off)["request_router_config"] == off[
         "request_router_config"]
+
+
+def test_direct_streaming_replicas_have_no_request_router():
+    """A direct-streaming deployment is the ingress: HAProxy (or Ray's proxy) picks its replica,
+    and Ray refuses a custom request router on an ingress behind HAProxy. The default is left
+    out; a user's is refused, naming the option."""
+    from deployments.app import direct_streaming_options
+    from engines.config import ConfigError
+
+    opts, _ = direct_streaming_options("m", backend_config("huggingface"), {})
+    assert "request_router_config" not in opts
+    with pytest.raises(ConfigError, match="request_router_config does not apply with direct_streaming"):
+        direct_streaming_options("m", backend_config("huggingface"), {"request_router_config": {
+            "request_router_class": POWER_OF_TWO_ROUTER}})

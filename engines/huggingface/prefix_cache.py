@@ -105,6 +105,15 @@ class PrefixCache:
         parts.reverse()
         return parts
 
+    def cached_length(self, tokens: list[int], namespace: str = "", max_length: int | None = None) -> int:
+        """How many leading tokens of `tokens` (at most `max_length`) a `lookup` would find,
+        without counting, touching or copying anything."""
+        limit = len(tokens) if max_length is None else min(max_length, len(tokens))
+        if self.max_tokens <= 0:
+            return 0
+        return self._longest(self.block_hashes(tokens[:limit - limit % self.block_tokens], namespace)) * \
+            self.block_tokens
+
     def lookup(self, tokens: list[int], namespace: str = "", max_length: int | None = None) -> PrefixHit:
         """The longest cached prefix of `tokens`, at most `max_length` tokens (default all).
         `tokens` count in `queried_tokens`; the caller adds to `hit_tokens` what it reuses.

@@ -158,6 +158,10 @@ class _Prefill:
         return self.ids.shape[1]
 
 
+#: What one more prefill pass costs, in rows x prompt tokens: splitting an admission
+#: (`_group_by_uncached_length`) must save more than this.
+SPLIT_PREFILL_COST_TOKENS = 64
+
 class ContinuousBatcher:
     """Schedules `BatchRequest`s onto a model in one worker thread.
 
@@ -178,7 +182,10 @@ class ContinuousBatcher:
             and prefills without a KV cache, are never split.
         prefix_cache_tokens: most tokens of KV the prefix cache keeps (prompts, and finished
             sequences so a chat's next turn hits); 0 turns it off. A prompt whose leading blocks
-            are cached is prefilled from the first token past them (`_reuse_prefixes`). Only for
+            are cached is prefilled from the first token past them (`_reuse_prefixes`), and an
+            admission whose prompts have very different numbers of uncached tokens is split so
+            that a cold prompt does not make the others compute what is cached
+            (`_group_by_uncached_length`). Only for
             models whose cache holds keys and values of full attention at every layer: a
             sliding-window layer keeps only its last columns and a convolution or recurrent state
             is not positional, so for those it is off (said once in the log).
@@ -426,7 +433,45 @@ class ContinuousBatcher:
                 request.scheduled_time = now
                 admitted.append(request)
                 rows += n
+            if len(admitted) > 1 and self.prefix_cache is not None and self._prefix_cache_usable:
+                admitted = self._group_by_uncached_length(admitted)
         return admitted
+
+    def _uncached_length(self, request: BatchRequest) -> int:
+        """The prompt tokens of `request` a prefill must compute: those past its cached prefix."""
+        namespace = self._cache_namespace(request)
+        if namespace is None:
+            return len(request.prompt_ids)
+        return len(request.prompt_ids) - self.prefix_cache.cached_length(request.prompt_ids, namespace,
+                                                                         len(request.prompt_ids) - 1)
+
+    def _group_by_uncached_length(self, admitted: list[BatchRequest]) -> list[BatchRequest]:
+        """The admitted requests that prefill together now; the others go back to the head of
+        the queue, in their order, for the next admission. Called with `_wake` held.
+
+        One prefill computes, for every row, as many columns as the row with the most uncached
+        tokens (its start column is the least `pad + cached` over the rows): a prompt whose
+        prefix is cached, admitted with a cold one, is prefilled as if nothing were cached. So
+        the requests are split where that costs least: the k with the fewest uncached tokens
+        now and the rest after, when k x (the k-th fewest) + (n - k) x (the most) +
+        `SPLIT_PREFILL_COST_TOKENS` (a second pass) is below n x (the most), with k chosen to make
+        it least (rows x columns: what a prefill's time follows on a CPU)."""
+        uncached = [self._uncached_length(r) for r in admitted]
+        order = sorted(range(len(admitted)), key=uncached.__getitem__)
+        most, n = uncached[order[-1]], len(admitted)
+        best_k, best_cost = n, n * most
+        for k in range(1, n):
+            cost = k * uncached[order[k - 1]] + (n - k) * most + SPLIT_PREFILL_COST_TOKENS
+            if cost < best_cost:
+                best_k, best_cost = k, cost
+        if best_k == n:
+            return admitted
+        now_ids = {id(admitted[i]) for i in order[:best_k]}
+        later = [r for r in admitted if id(r) not in now_ids]
+        for request in reversed(later):
+            request.scheduled_time = None
+            self._waiting.appendleft(request)
+        return [r for r in admitted if id(r) in now_ids]
 
     def _peak_positions(self, admitted: list[BatchRequest]) -> int:
         """The most KV positions the batch will hold with `admitted` prefilled and joined.
