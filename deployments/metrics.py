@@ -51,6 +51,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "per request that completed (not failed, not aborted).", buckets=E2E_BUCKETS),
     MetricSpec("lmserve_prompt_tokens", "counter", "tokens",
                "Prompt tokens of requests that reached their first token (prefilled)."),
+    MetricSpec("lmserve_prefix_cache_hit_tokens", "counter", "tokens",
+               "Prompt tokens the engine's prefix cache served instead of computing them "
+               "(usage.prompt_tokens_details.cached_tokens), on every backend; over "
+               "lmserve_prompt_tokens it is the prefix-cache hit rate."),
     MetricSpec("lmserve_generation_tokens", "counter", "tokens",
                "Generated tokens, counted as they arrive (aborted and failed requests included)."),
     MetricSpec("lmserve_requests_finished", "counter", "choices",
@@ -184,6 +188,8 @@ class RequestTracker:
                                  self._labels, delta.num_tokens)
             self._last_token_at[delta.index] = now
             self._m._inc("lmserve_generation_tokens", delta.num_tokens, model_id, backend)
+        if delta.usage is not None and delta.usage.cached_tokens:
+            self._m._inc("lmserve_prefix_cache_hit_tokens", delta.usage.cached_tokens, model_id, backend)
         if delta.finish_reason and delta.index in self._unfinished:
             self._unfinished.discard(delta.index)
             self._m._inc("lmserve_requests_finished", 1, model_id, backend, finish_reason=delta.finish_reason)

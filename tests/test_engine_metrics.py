@@ -248,6 +248,8 @@ def test_dashboard_has_kv_cache_and_prefix_cache_panels_for_both_engines():
         queries = " ".join(panels[title])
         assert "ray_vllm_" in queries and "ray_sglang_" in queries, title
     assert "ray_hf_prefix_cache_hits_total" in " ".join(panels["Prefix-cache hit rate"])
+    # and the ingress's ratio, one series for every backend
+    assert "ray_lmserve_prefix_cache_hit_tokens_total" in panels["Prefix-cache hit rate"][0]
 
 
 def test_the_huggingface_engine_exports_its_prefix_cache_counters(recorded):

@@ -89,6 +89,9 @@ def test_counters_and_histograms_move_by_exactly_the_requests_made(client, serve
     finishes = [f for _, fs, _ in results for f in fs]
     expected = {
         ("ray_lmserve_prompt_tokens_total", MODEL): sum(u.prompt_tokens for u, _, _ in results),
+        # the same question again: its chat-template head and question from the prefix cache
+        ("ray_lmserve_prefix_cache_hit_tokens_total", MODEL): sum(
+            u.prompt_tokens_details.cached_tokens for u, _, _ in results),
         ("ray_lmserve_generation_tokens_total", MODEL): completion,
         ("ray_lmserve_time_to_first_token_seconds_count", MODEL): len(results),
         ("ray_lmserve_time_to_first_token_seconds_bucket", MODEL + (("le", "+Inf"),)): len(results),
@@ -103,6 +106,7 @@ def test_counters_and_histograms_move_by_exactly_the_requests_made(client, serve
     }
     for reason in set(finishes):
         expected[("ray_lmserve_requests_finished_total", MODEL + (("finish_reason", reason),))] = finishes.count(reason)
+    assert expected[("ray_lmserve_prefix_cache_hit_tokens_total", MODEL)] > 0
     expected = {(name, tuple(sorted(labels))): value for (name, labels), value in expected.items()}
     after = _wait_until_moved(metrics_url, before, expected)
 

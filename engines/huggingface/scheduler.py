@@ -162,6 +162,7 @@ class _Prefill:
 #: (`_group_by_uncached_length`) must save more than this.
 SPLIT_PREFILL_COST_TOKENS = 64
 
+
 class ContinuousBatcher:
     """Schedules `BatchRequest`s onto a model in one worker thread.
 
@@ -453,15 +454,18 @@ class ContinuousBatcher:
         tokens (its start column is the least `pad + cached` over the rows): a prompt whose
         prefix is cached, admitted with a cold one, is prefilled as if nothing were cached. So
         the requests are split where that costs least: the k with the fewest uncached tokens
-        now and the rest after, when k x (the k-th fewest) + (n - k) x (the most) +
-        `SPLIT_PREFILL_COST_TOKENS` (a second pass) is below n x (the most), with k chosen to make
-        it least (rows x columns: what a prefill's time follows on a CPU)."""
+        now and the rest after, when rows(k) x (the k-th fewest) + rows(rest) x (the most) +
+        `SPLIT_PREFILL_COST_TOKENS` (a second pass) is below rows(all) x (the most), with k chosen
+        to make it least (rows x columns: what a prefill's time follows on a CPU; a request has
+        a row per choice)."""
         uncached = [self._uncached_length(r) for r in admitted]
         order = sorted(range(len(admitted)), key=uncached.__getitem__)
         most, n = uncached[order[-1]], len(admitted)
-        best_k, best_cost = n, n * most
+        rows = sum(r.params.n for r in admitted)
+        best_k, best_cost, first_rows = n, rows * most, 0
         for k in range(1, n):
-            cost = k * uncached[order[k - 1]] + (n - k) * most + SPLIT_PREFILL_COST_TOKENS
+            first_rows += admitted[order[k - 1]].params.n
+            cost = first_rows * uncached[order[k - 1]] + (rows - first_rows) * most + SPLIT_PREFILL_COST_TOKENS
             if cost < best_cost:
                 best_k, best_cost = k, cost
         if best_k == n:
