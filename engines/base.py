@@ -313,7 +313,7 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
     if outside:
         raise ServingError.invalid_request(f"logit_bias: token id(s) {outside[:10]} are out of this model's vocabulary "
                                            f"(size {vocab_size})", param="logit_bias")
-    if request.lora_name not in (None, BASE_MODEL, *config.lora_adapters):
+    if request.lora_name not in (None, BASE_MODEL, *config.lora_adapters) and config.lora_modules_path is None:
         raise ServingError.invalid_request(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
                                            f"{sorted(config.lora_adapters)}", param="model")
     return params, max_tokens

@@ -264,6 +264,14 @@ class EngineConfig(BaseModel):
         "Each adapter alone is `<model_id>:<name>` (its last path component, `-2`, `-3` for repeats) and the "
         "base model without adapters is `<model_id>:base`."
     )
+    lora_modules_path: str | None = Field(
+        None, description="A directory of LoRA adapters, one per subdirectory (peft's `adapter_config.json` and "
+        "weights): `<model_id>:<name>` loads `<dir>/<name>` on the replica that serves it, on first use and without "
+        "a restart, checked against the base model (vLLM's `--lora-modules` resolved at run time, Ray Serve LLM's "
+        "`dynamic_lora_loading_path`). Built on the huggingface backend, for a local or shared directory.")
+    max_loras_per_replica: int = Field(
+        8, ge=1, description="Most adapters from `lora_modules_path` loaded on a replica at once; loading one more "
+        "unloads the least recently used that no running request uses (503 while every one is in use).")
     template: str | None = Field(
         None, description="LLaMA-Factory's template name (all 121 of LLaMA-Factory 0.9.5, rendered as it renders "
         "them, stop words included). Unset: the tokenizer's chat template read as LLaMA-Factory reads it, or "
@@ -412,6 +420,21 @@ class EngineConfig(BaseModel):
         if len(self.adapters) > 1:  # LLaMA-Factory: "Quantized model only accepts a single adapter."
             raise ValueError("quantization_bit: a quantized model takes at most one adapter in "
                              "adapter_name_or_path (LLaMA-Factory's rule); merge them first")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora_modules_path(self) -> "EngineConfig":
+        if self.lora_modules_path is None:
+            return self
+        if self.infer_backend != "huggingface":
+            raise ValueError(f"lora_modules_path: loading adapters at run time is built on the huggingface backend "
+                             f"only, not yet on {self.infer_backend!r}; list the adapters in adapter_name_or_path")
+        if "://" in self.lora_modules_path:
+            raise ValueError(f"lora_modules_path: {self.lora_modules_path!r}: remote stores (s3://, gs://, ...) are "
+                             "not built yet; use a local or shared directory")
+        if self.is_reward_model or self.serves_embeddings or self.quantization_bit is not None:
+            raise ValueError("lora_modules_path: adapters loaded at run time are served on generating models that "
+                             "are not quantized on the fly")
         return self
 
     @model_validator(mode="after")

@@ -90,6 +90,11 @@ async def collect(engine, request) -> list:
     return [delta async for delta in engine.generate(request)]
 
 
+def text_of(deltas, index: int = 0) -> str:
+    """The text of choice `index` in an engine's deltas."""
+    return "".join(d.text for d in deltas if d.index == index)
+
+
 def run(coro) -> Any:
     return asyncio.run(coro)
 

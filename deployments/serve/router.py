@@ -28,6 +28,7 @@ from engines import engine_capabilities
 from engines.base import Capabilities, GenerationDelta, GenerationRequest, TokenLogprob, Usage
 from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ErrorKind, ServingError
+from engines.lora import check_adapter_name
 from engines.prompt.renderer import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
@@ -193,8 +194,13 @@ class ModelRouter:
     def resolve(self, model: str | None) -> ServedModel:
         """The entry of `model`; None names the only configured model when there is one.
 
+        `<model_id>:<name>` of a model with `lora_modules_path` names adapter `<name>` of its
+        store, which the model's replica loads when it serves the request (it answers 404 when
+        the store has no such adapter).
+
         Raises:
-            ServingError: INVALID_REQUEST (`model` missing with several models), NOT_FOUND.
+            ServingError: INVALID_REQUEST (`model` missing with several models, a bad adapter
+                name), NOT_FOUND.
         """
         if model is None:
             if len(self.configured_model_ids) == 1:
@@ -202,7 +208,13 @@ class ModelRouter:
             raise ServingError.invalid_request("`model` is required when several models are served", param="model")
         entry = self.models.get(model)
         if entry is None:
-            raise ServingError.model_not_found(model, list(self.models))
+            parent_id, _, name = model.rpartition(":")
+            parent = self.models.get(parent_id)
+            if parent is None or parent.parent is not None or parent.config.lora_modules_path is None:
+                raise ServingError.model_not_found(model, list(self.models))
+            check_adapter_name(name)
+            entry = copy.copy(parent)
+            entry.model_id, entry.lora_name, entry.parent = model, name, parent_id
         return entry
 
     def drain(self, stop_at: float, retry_after_s: float = constants.RETRY_AFTER_S) -> None:

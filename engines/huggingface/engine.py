@@ -33,9 +33,11 @@ from engines.base import (
 from engines.config import BASE_MODEL, EngineConfig
 from engines.device import pick_dtype
 from engines.huggingface.adapters import ALL_ADAPTERS, PEFT_BASE, check_peft_adapter_fits, combine_adapters
+from engines.huggingface.dynamic_adapters import DynamicAdapters
 from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
 from engines.errors import ModelLoadError, ServingError
 from engines.metrics import MetricsExporter, MetricSpec
+from engines.lora import check_adapter_fits
 from engines.model_source import resolve_model_path
 from engines.output import ChoiceOutput, RequestOutputCollector, WorkerHandoff, make_detokenizer
 from engines.structured_output import GrammarCompiler
@@ -102,6 +104,7 @@ class HuggingFaceEngine(Engine):
         self._embedder: Any = None  # engines.huggingface.embedding.EmbeddingModel when config.serves_embeddings
         # GenerationRequest.lora_name -> peft adapter name of the batch row (None: no peft model)
         self._peft_names: dict[str | None, str] = {}
+        self._dynamic_adapters: DynamicAdapters | None = None  # config.lora_modules_path
         self._score_lock = asyncio.Lock()
         # The batcher thread's hand-off to each event loop that has requests here (engines/output.py).
         self._handoff = WorkerHandoff()
@@ -133,6 +136,10 @@ class HuggingFaceEngine(Engine):
                                           chunked_prefill_size=self.config.hf.chunked_prefill_size,
                                           prefix_cache_tokens=self._prefix_cache_tokens())
         self._batcher.start()
+        if self.config.lora_modules_path is not None:
+            self._dynamic_adapters = DynamicAdapters(
+                self.config.lora_modules_path, self.config.max_loras_per_replica,
+                check=lambda path: check_adapter_fits(self.model_path, str(path)), swap=self._swap_adapter)
 
     def _prefix_cache_tokens(self) -> int:
         """`hf_prefix_cache_tokens`, with -1 sized to the device: the tokens whose KV (every
@@ -364,6 +371,23 @@ class HuggingFaceEngine(Engine):
             raise ServingError.not_supported("this is an embedding model (task: embed): it does not generate",
                                              param="model")
         await self.check_health()
+        dynamic = (self._dynamic_adapters is not None and request.lora_name is not None
+                   and request.lora_name not in self._peft_names)
+        peft_name = (await self._dynamic_adapters.acquire(request.lora_name) if dynamic
+                     else self._peft_names.get(request.lora_name))
+        stream = self._generate(request, peft_name)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            try:
+                await stream.aclose()  # now, not when collected: it takes the request out of the batch
+            finally:
+                if dynamic:
+                    self._dynamic_adapters.release(request.lora_name)
+
+    async def _generate(self, request: GenerationRequest, peft_name: str | None) -> AsyncIterator[GenerationDelta]:
+        """`generate` once the request's adapter is known: `peft_name` is its rows' peft adapter."""
         state = self._new_state(request)
         # Compiled here, on a worker thread, before the request reaches the batcher: a slow
         # compile delays only its own request, never the batch's decode steps.
@@ -374,7 +398,7 @@ class HuggingFaceEngine(Engine):
         batch_request = BatchRequest(
             request_id=request.request_id, prompt_ids=state.prompt_ids, params=state.params,
             max_tokens=state.max_tokens, eos_ids=state.eos_ids, generator=state.generator,
-            lora_name=self._peft_names.get(request.lora_name), model_inputs=self._model_inputs(request),
+            lora_name=peft_name, model_inputs=self._model_inputs(request),
             grammar=grammar,
             emit=partial(self._handoff.for_loop(asyncio.get_running_loop()).emit, collector),
         )
@@ -418,6 +442,47 @@ class HuggingFaceEngine(Engine):
                     return
         finally:
             self._batcher.cancel(batch_request)
+
+    async def _swap_adapter(self, evict: str | None, path: Path, peft_name: str) -> None:
+        """`DynamicAdapters`' swap: on the batcher's thread, between two steps."""
+        await asyncio.wrap_future(self._batcher.call_between_steps(partial(self._swap_adapter_now, evict, path,
+                                                                           peft_name)))
+
+    def _swap_adapter_now(self, evict: str | None, path: Path, peft_name: str) -> None:
+        """Unload peft adapter `evict` (None: none) and load the adapter at `path` as `peft_name`;
+        a model without adapters yet becomes a peft model (its rows without one run as
+        `PEFT_BASE`). Runs on the batcher's thread with no step running.
+
+        Raises:
+            ModelLoadError: peft could not load the adapter, or it does not fit the model.
+        """
+        from peft import PeftModel
+
+        model = self._model
+        if evict is not None:
+            model.delete_adapter(evict)
+        try:
+            if isinstance(model, PeftModel):
+                model.load_adapter(str(path), adapter_name=peft_name)
+            else:
+                model = PeftModel.from_pretrained(model, str(path), adapter_name=peft_name).eval()
+            check_peft_adapter_fits(model, peft_name, str(path))
+        except Exception as exc:  # noqa: BLE001 - peft names the mismatch
+            if isinstance(model, PeftModel) and peft_name in model.peft_config:
+                model.delete_adapter(peft_name)
+            if isinstance(exc, ModelLoadError):
+                raise
+            raise ModelLoadError(f"could not load it into model {self.config.model_name_or_path!r}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        # peft's PeftModel can keep a deleted adapter as its active one; rows name theirs
+        # (`adapter_names`), but peft still looks the active one up
+        if model.active_adapter not in model.peft_config:
+            model.set_adapter(peft_name)
+        if model is not self._model:
+            self._model = self._batcher.model = model
+            self._batcher._mixed_adapters = True
+        logger.info("loaded LoRA adapter %s from %s%s", peft_name, path,
+                    f", unloaded {evict}" if evict is not None else "")
 
     def _model_inputs(self, request: GenerationRequest) -> dict[str, Any] | None:
         """The request's processor tensors on the model's device, floating ones in its dtype.

@@ -52,6 +52,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -238,6 +239,7 @@ class ContinuousBatcher:
         self._prefix_cache_usable: bool | None = None
         self._prefilling: _Prefill | None = None  # a chunked prefill in progress
         self._waiting: deque[BatchRequest] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # `call_between_steps`
         self._rows: list[_Row] = []
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # (rows, columns) 1 = real token, 0 = padding
@@ -271,6 +273,19 @@ class ContinuousBatcher:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped
+
+    def call_between_steps(self, call: Callable[[], Any]) -> Future:
+        """Run `call` on the worker thread before its next step (at once when idle), where it
+        may change the model (load or delete a LoRA adapter) with no forward pass running. The
+        future has its result or exception; it is cancelled if the batcher stops first."""
+        future: Future = Future()
+        with self._wake:
+            if self._stopped:
+                future.cancel()
+                return future
+            self._calls.append((call, future))
+            self._wake.notify_all()
+        return future
 
     def submit(self, request: BatchRequest) -> None:
         """Queue `request`; after `stop` or once the batcher is dead (`dead_reason`), fail it
@@ -337,12 +352,22 @@ class ContinuousBatcher:
                     # Empty the batch before waiting, so that a request arriving right after the
                     # last one finished meets the admission window (not a half-emptied batch).
                     self._drop_done_rows()
-                while not self._stopped and not self._waiting and not self._rows and self._prefilling is None:
+                while (not self._stopped and not self._waiting and not self._rows and self._prefilling is None
+                       and not self._calls):
                     self._wake.wait()
-                if not self._rows and self._prefilling is None:
+                if not self._rows and self._prefilling is None and not self._calls:
                     self._wait_for_arrivals()
                 if self._stopped:
                     break
+                calls, self._calls = self._calls, deque()
+            for call, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(call())
+                    except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                        future.set_exception(exc)
+            if not self._waiting and not self._rows and self._prefilling is None:
+                continue
             try:
                 with torch.inference_mode():
                     self._step()
@@ -366,6 +391,9 @@ class ContinuousBatcher:
         with self._wake:
             pending = list(self._waiting) + self._admitted_requests()
             self._waiting.clear()
+            calls, self._calls = self._calls, deque()
+        for _, future in calls:
+            future.cancel()
         self._rows, self._cache, self._mask, self._next_tokens, self._prefilling = [], None, None, None, None
         for request in pending:
             request.emit(self._stopped_error())

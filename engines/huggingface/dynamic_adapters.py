@@ -1,0 +1,135 @@
+"""LoRA adapters loaded at run time from a directory (`lora_modules_path`), at most
+`max_loras_per_replica` at once, the least recently used unloaded first: vLLM's
+`--lora-modules` resolved on demand with `max_loras`, Ray Serve LLM's
+`dynamic_lora_loading_path` with `max_num_adapters_per_replica`.
+
+`DynamicAdapters` keeps the bookkeeping on the engine's event loop: which adapters are loaded
+(name -> the peft adapter name their rows use), how many running requests use each, and one
+load at a time per adapter (requests for an adapter being loaded wait for that load, not for
+each other). The model change itself (peft's `load_adapter` / `delete_adapter`) is the
+caller's `swap`, which the huggingface engine runs on the batcher's worker thread between two
+steps, so no forward pass sees a half-loaded adapter.
+
+Each load gets a new peft name (`dyn<k>_<name>`): the prefix cache keys KV by it, so an adapter
+that is unloaded and loaded again, maybe with other weights, never meets its old cached KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, OrderedDict
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from engines.config import ConfigError
+from engines.errors import ErrorKind, ModelLoadError, ServingError
+from engines.lora import ADAPTER_NAME, check_adapter_name
+
+class DynamicAdapters:
+    """Adapters of `store` loaded on demand, bounded to `max_loaded`.
+
+    Args:
+        store: the directory holding one adapter per subdirectory.
+        max_loaded: adapters loaded at once.
+        check: `check(path)` raises `ConfigError` or `ModelLoadError` when the adapter at `path`
+            does not fit the base model; run in a worker thread.
+        swap: `swap(evict, path, peft_name)` unloads peft adapter `evict` (None: none) and loads
+            the adapter at `path` as `peft_name` (`ModelLoadError` when it cannot); awaited, so it
+            may run on another thread.
+    """
+
+    def __init__(self, store: str | Path, max_loaded: int, check: Callable[[Path], None],
+                 swap: Callable[[str | None, Path, str], Awaitable[None]]):
+        self.store = Path(store)
+        self.max_loaded = max_loaded
+        self._check = check
+        self._swap = swap
+        self.loaded: OrderedDict[str, str] = OrderedDict()  # name -> peft name, least recently used first
+        self.in_use: Counter[str] = Counter()
+        self._loading: dict[str, asyncio.Future] = {}
+        self._loads = 0
+        self.evictions = 0
+
+    def path(self, name: str) -> Path:
+        """The adapter's directory in the store.
+
+        Raises:
+            ServingError: INVALID_REQUEST for a bad name, NOT_FOUND when the store has no
+                adapter of that name (no `adapter_config.json`).
+        """
+        check_adapter_name(name)
+        path = self.store / name
+        if not (path / "adapter_config.json").is_file():
+            raise ServingError(ErrorKind.NOT_FOUND, f"LoRA adapter {name!r} is not in lora_modules_path "
+                               f"({self.store}): no {name}/adapter_config.json there", param="model")
+        return path
+
+    def available(self) -> list[str]:
+        """The names of the adapters in the store, sorted."""
+        if not self.store.is_dir():
+            return []
+        return sorted(p.name for p in self.store.iterdir()
+                      if ADAPTER_NAME.fullmatch(p.name) and (p / "adapter_config.json").is_file())
+
+    async def acquire(self, name: str) -> str:
+        """The peft adapter name of `name`, loaded if it is not; the caller must `release(name)`
+        once its request ends.
+
+        Raises:
+            ServingError: INVALID_REQUEST (bad name, or an adapter that does not fit the base
+                model), NOT_FOUND (not in the store), OVERLOADED (`max_loaded` adapters loaded and
+                every one in use).
+        """
+        while True:
+            if name in self.loaded:
+                self.loaded.move_to_end(name)
+                self.in_use[name] += 1
+                return self.loaded[name]
+            pending = self._loading.get(name)
+            if pending is None:
+                break
+            await asyncio.shield(pending)  # then look again: the load may have failed
+        path = self.path(name)
+        done = self._loading[name] = asyncio.get_running_loop().create_future()
+        try:
+            evict = self._victim(name)
+            try:
+                await asyncio.to_thread(self._check, path)
+                if evict is not None and self.in_use[evict]:  # taken while the check ran
+                    evict = self._victim(name)
+                self._loads += 1
+                peft_name = f"dyn{self._loads}_{name.replace('.', '_')}"
+                evicted_peft = self.loaded.pop(evict) if evict is not None else None
+                await self._swap(evicted_peft, path, peft_name)
+            except (ConfigError, ModelLoadError) as exc:
+                raise ServingError(ErrorKind.INVALID_REQUEST, f"LoRA adapter {name!r}: {exc}", param="model") from None
+            if evict is not None:
+                self.evictions += 1
+            self.loaded[name] = peft_name
+            self.in_use[name] += 1
+            return peft_name
+        finally:
+            del self._loading[name]
+            done.set_result(None)
+
+    def release(self, name: str) -> None:
+        """One request that `acquire`d `name` ended."""
+        self.in_use[name] -= 1
+        if self.in_use[name] <= 0:
+            del self.in_use[name]
+
+    def _victim(self, name: str) -> str | None:
+        """The adapter to unload so that `name` can load: None while there is room, else the
+        least recently used one not in use.
+
+        Raises:
+            ServingError: OVERLOADED when every loaded adapter is in use.
+        """
+        if len(self.loaded) + len(self._loading) - 1 < self.max_loaded:
+            return None
+        for loaded in self.loaded:
+            if not self.in_use[loaded]:
+                return loaded
+        raise ServingError(ErrorKind.OVERLOADED, f"cannot load LoRA adapter {name!r}: this replica holds "
+                           f"max_loras_per_replica={self.max_loaded} adapters and every one is in use; retry later",
+                           retry_after_s=1)

@@ -1,0 +1,190 @@
+"""LoRA adapters loaded at run time from `lora_modules_path` (issue 37, first part: the
+huggingface backend). Fast: the per-replica bookkeeping (`DynamicAdapters`: load once, LRU,
+never unload one in use, bad names and adapters) on stand-in loads, the config's limits, and
+`<model_id>:<name>` through the real ingress to a fake engine. Slow: the default model with
+real peft adapters copied into a store."""
+
+import asyncio
+import shutil
+
+import pytest
+
+from conftest import collect, run, started_engine, text_of
+from engines.base import GenerationRequest, SamplingParams
+from engines.config import ConfigError, EngineConfig
+from engines.errors import ServingError
+from engines.huggingface.dynamic_adapters import DynamicAdapters
+from fake_engine import FakeEngine, serve_fake
+
+
+def store_of(tmp_path, *names: str):
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    return tmp_path
+
+
+class Loads:
+    """A stand-in for the engine's swap: records (evicted, loaded) and can be slowed or fail."""
+
+    def __init__(self):
+        self.calls: list[tuple[str | None, str]] = []
+        self.gate: asyncio.Event | None = None
+        self.fail: Exception | None = None
+
+    async def swap(self, evict, path, peft_name):
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append((evict, peft_name))
+
+
+def adapters(tmp_path, max_loaded=2, check=lambda path: None):
+    loads = Loads()
+    return DynamicAdapters(store_of(tmp_path, "a", "b", "c.v2"), max_loaded, check, loads.swap), loads
+
+
+def test_an_adapter_loads_once_and_the_least_recently_used_idle_one_makes_room(tmp_path):
+    dyn, loads = adapters(tmp_path)
+
+    async def main():
+        a = await dyn.acquire("a")
+        assert await dyn.acquire("a") == a  # loaded: no second load
+        dyn.release("a"), dyn.release("a")
+        b = await dyn.acquire("b")
+        dyn.release("b")
+        await dyn.acquire("a")  # a is now the most recently used
+        dyn.release("a")
+        c = await dyn.acquire("c.v2")  # full: b goes
+        assert list(dyn.loaded) == ["a", "c.v2"] and dyn.evictions == 1
+        assert loads.calls == [(None, a), (None, b), (b, c)]
+        dyn.release("c.v2")
+        again = await dyn.acquire("b")  # back, under a new peft name: cached KV of the old load is not met
+        assert again != b and loads.calls[-1] == (a, again)
+
+    asyncio.run(main())
+
+
+def test_an_adapter_in_use_is_not_unloaded_and_a_full_replica_answers_503(tmp_path):
+    dyn, loads = adapters(tmp_path)
+
+    async def main():
+        await dyn.acquire("a")
+        await dyn.acquire("b")
+        with pytest.raises(ServingError) as info:
+            await dyn.acquire("c.v2")
+        assert info.value.kind == "overloaded" and "c.v2" in str(info.value) and info.value.retry_after_s
+        dyn.release("a")
+        await dyn.acquire("c.v2")
+        assert set(dyn.loaded) == {"b", "c.v2"}
+
+    asyncio.run(main())
+
+
+def test_requests_for_an_adapter_being_loaded_wait_for_that_load(tmp_path):
+    dyn, loads = adapters(tmp_path)
+    loads.gate = asyncio.Event()
+
+    async def main():
+        waiting = [asyncio.create_task(dyn.acquire("a")) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert not any(t.done() for t in waiting)
+        loads.gate.set()
+        names = await asyncio.gather(*waiting)
+        assert len(set(names)) == 1 and len(loads.calls) == 1 and dyn.in_use["a"] == 3
+
+    asyncio.run(main())
+
+
+def test_bad_names_missing_adapters_and_adapters_of_another_model_are_refused(tmp_path):
+    def check(path):
+        if path.name == "b":
+            raise ConfigError("adapter_name_or_path: does not fit (another base model?)")
+
+    dyn, loads = adapters(tmp_path, check=check)
+    (tmp_path / "empty").mkdir()  # no adapter_config.json
+
+    async def refused(name):
+        with pytest.raises(ServingError) as info:
+            await dyn.acquire(name)
+        return info.value.kind, info.value.param
+
+    for name in ("../a", "a/b", ".hidden", "x" * 200, ""):
+        assert asyncio.run(refused(name)) == ("invalid_request", "model"), name
+    assert asyncio.run(refused("empty")) == ("not_found", "model")
+    assert asyncio.run(refused("missing")) == ("not_found", "model")
+    assert asyncio.run(refused("b")) == ("invalid_request", "model")
+    loads.fail = __import__("engines.errors", fromlist=["ModelLoadError"]).ModelLoadError("peft: shapes differ")
+    assert asyncio.run(refused("a")) == ("invalid_request", "model")
+    assert not dyn.loaded and not dyn.in_use and loads.calls == []
+    assert dyn.available() == ["a", "b", "c.v2"]
+
+
+def test_the_store_is_a_local_directory_on_the_huggingface_backend():
+    assert EngineConfig(lora_modules_path="/srv/adapters").max_loras_per_replica == 8
+    for fields, message in (({"infer_backend": "vllm"}, "built on the huggingface backend only"),
+                            ({"lora_modules_path": "s3://bucket/adapters"}, "remote stores"),
+                            ({"max_loras_per_replica": 0}, "max_loras_per_replica")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**{"lora_modules_path": "/srv/adapters", **fields})
+
+
+def test_model_colon_adapter_reaches_the_engine_as_its_lora_name(tiny_model_dir):
+    engine = FakeEngine(config=EngineConfig(model_name_or_path="fake", lora_modules_path="/srv/adapters"))
+
+    async def main():
+        async with serve_fake(engine, tiny_model_dir, config={"lora_modules_path": "/srv/adapters"}) as http:
+            ok = await http.post("/v1/chat/completions", json={
+                "model": "fake:customer-7", "messages": [{"role": "user", "content": "hi"}]})
+            bad = await http.post("/v1/chat/completions", json={
+                "model": "fake:..", "messages": [{"role": "user", "content": "hi"}]})
+            other = await http.post("/v1/chat/completions", json={
+                "model": "other:customer-7", "messages": [{"role": "user", "content": "hi"}]})
+        return ok, bad, other
+
+    ok, bad, other = asyncio.run(main())
+    assert ok.status_code == 200 and ok.json()["model"] == "fake:customer-7"
+    assert engine.requests[0].lora_name == "customer-7"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+    assert other.status_code == 404
+
+
+def test_without_a_store_an_unknown_adapter_is_404(tiny_model_dir):
+    async def main():
+        async with serve_fake(FakeEngine(), tiny_model_dir) as http:
+            return await http.post("/v1/chat/completions", json={
+                "model": "fake:customer-7", "messages": [{"role": "user", "content": "hi"}]})
+
+    assert asyncio.run(main()).status_code == 404
+
+
+# ---- the default model, real adapters (slow) --------------------------------------------
+
+@pytest.mark.slow
+def test_adapters_copied_into_the_store_answer_as_configured_ones(model_dir, lora_dir, renderer, tmp_path):
+    store = tmp_path / "store"
+    shutil.copytree(lora_dir, store / "first")
+    shutil.copytree(lora_dir, store / "second")
+    ids = renderer.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+
+    def answer(engine, lora_name=None):
+        params = SamplingParams(temperature=0, max_tokens=12)
+        return text_of(run(collect(engine, GenerationRequest("r", ids, params, lora_name=lora_name))))
+
+    with started_engine(model_name_or_path=str(model_dir), adapter_name_or_path=str(lora_dir)) as configured:
+        tuned = answer(configured)
+    with started_engine(model_name_or_path=str(model_dir), lora_modules_path=str(store),
+                        max_loras_per_replica=1) as engine:
+        base = answer(engine)
+        assert base != tuned
+        assert answer(engine, "first") == tuned
+        assert answer(engine, "second") == tuned  # "first" unloaded to make room
+        assert list(engine._dynamic_adapters.loaded) == ["second"] and engine._dynamic_adapters.evictions == 1
+        assert answer(engine) == base  # rows without an adapter run the base model
+        assert answer(engine, "first") == tuned
+        shutil.copytree(lora_dir, store / "third")  # added while serving
+        assert answer(engine, "third") == tuned
+        with pytest.raises(ServingError) as info:
+            answer(engine, "fourth")
+        assert info.value.kind == "not_found"
