@@ -415,6 +415,10 @@ class Engine(abc.ABC):
     def model_info(self) -> ModelInfo:
         """Facts about the loaded model; valid after `start`."""
 
+    def loaded_adapters(self) -> list[str]:
+        """The LoRA adapters of `lora_modules_path` loaded now, by name (none by default)."""
+        return []
+
     async def score(self, texts: list[str], max_length: int | None = None) -> list[float]:
         """Reward scores, one float per text (reward models only: `EngineConfig.stage` not `sft`).
 

@@ -188,3 +188,42 @@ def test_adapters_copied_into_the_store_answer_as_configured_ones(model_dir, lor
         with pytest.raises(ServingError) as info:
             answer(engine, "fourth")
         assert info.value.kind == "not_found"
+
+
+@pytest.mark.slow
+def test_adapters_copied_into_a_running_servers_store_are_served_by_name(serve_url, lora_dir, tmp_path):
+    """Issue 37's "done when", through the official client on a local Ray cluster: adapters
+    copied into the store of a running application answer as `<model_id>:<name>`, with no
+    restart; a name the store lacks is a 404."""
+    import openai
+    from ray import serve
+
+    from conftest import TEST_API_KEY
+    from deployments.app import build_app
+
+    store = tmp_path / "store"
+    store.mkdir()
+    app = build_app({"models": [{"model_id": "dyn", "model_name_or_path": "smollm2", "lora_modules_path": str(store),
+                                 "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.25}}}],
+                     "api_keys": [TEST_API_KEY]})
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    try:
+        serve.run(app, name="dynamic-lora", route_prefix="/dynamic-lora")
+        client = openai.OpenAI(base_url=serve_url + "/dynamic-lora/v1", api_key=TEST_API_KEY, max_retries=0,
+                               timeout=300)
+
+        def ask(model):
+            return client.chat.completions.create(model=model, messages=question, temperature=0,
+                                                  max_tokens=12).choices[0].message.content
+
+        base = ask("dyn")
+        with pytest.raises(openai.NotFoundError):
+            ask("dyn:first")
+        for name in ("first", "second", "third"):
+            shutil.copytree(lora_dir, store / name)
+        answers = {name: ask(f"dyn:{name}") for name in ("first", "second", "third")}
+        assert len(set(answers.values())) == 1 and base not in answers.values()
+        with pytest.raises(openai.BadRequestError):
+            ask("dyn:..")
+    finally:
+        serve.delete("dynamic-lora")

@@ -287,9 +287,11 @@ def test_dashboard_queries_only_engine_series_that_are_exported():
     names = queried_metric_names()
     assert {n for n in names if n.startswith("ray_sglang_")} <= {spec.prometheus_name for spec in SGLANG_METRICS}
     assert {n for n in names if n.startswith("ray_vllm_")} <= set(VLLM_PANEL_METRICS)
-    from engines.huggingface.engine import HF_METRICS
+    from engines.huggingface.engine import HF_ADAPTER_METRICS, HF_METRICS
 
-    assert {n for n in names if n.startswith("ray_hf_")} <= {spec.prometheus_name for spec in HF_METRICS}
+    assert {n for n in names if n.startswith("ray_hf_")} <= {spec.prometheus_name
+                                                             for spec in HF_METRICS + HF_ADAPTER_METRICS}
+    assert {"ray_hf_lora_adapter_loads_total", "ray_hf_lora_adapter_hits_total"} <= names
 
 
 def test_the_vllm_series_on_the_dashboard_are_vllms_own():
@@ -310,3 +312,35 @@ def test_the_vllm_series_on_the_dashboard_are_vllms_own():
         if base.endswith("_total") and kinds.get(base.removesuffix("_total")) == "counter":
             continue
         assert kinds.get(base) == "gauge", name
+
+
+def test_the_huggingface_engine_exports_its_run_time_adapters(recorded):
+    """Issue 37: adapters loaded from lora_modules_path: loads, evictions, hits, load time and
+    the number loaded, exported even with the prefix cache off."""
+    from engines.huggingface.dynamic_adapters import DynamicAdapters
+    from engines.huggingface.engine import HuggingFaceEngine
+
+    engine = HuggingFaceEngine(EngineConfig())
+
+    class Batcher:
+        prefix_cache = None
+
+    engine._batcher = Batcher()
+    adapters = engine._dynamic_adapters = DynamicAdapters("/nowhere", 2, lambda path: None, None)
+
+    async def scenario():
+        task = asyncio.create_task(engine.export_metrics("m", ray_metrics, interval_s=0.01))
+        adapters.loads, adapters.evictions, adapters.hits, adapters.load_seconds = 3, 1, 7, 0.25
+        adapters.loaded.update(a="dyn2_a", b="dyn3_b")
+        await asyncio.sleep(0.05)
+        engine._dynamic_adapters = None
+        await asyncio.wait_for(task, 1)
+
+    asyncio.run(scenario())
+    key = ("m", "huggingface")
+    assert {name: recorded[name].values[key] for name in ("hf_lora_adapter_loads", "hf_lora_adapter_evictions",
+                                                          "hf_lora_adapter_hits", "hf_lora_adapter_load_seconds",
+                                                          "hf_lora_adapters_loaded")} == {
+        "hf_lora_adapter_loads": 3, "hf_lora_adapter_evictions": 1, "hf_lora_adapter_hits": 7,
+        "hf_lora_adapter_load_seconds": 0.25, "hf_lora_adapters_loaded": 2}
+    assert "hf_prefix_cache_queries" not in recorded or key not in recorded["hf_prefix_cache_queries"].values

@@ -77,6 +77,7 @@ class FakeReplica:
     def __init__(self, name: str, queue_len: int = 0):
         self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
         self.multiplexed_model_ids: set[str] = set()
+        self.routing_stats: dict = {}
         self.max_ongoing_requests = 16
         self.node_id = ""
         self.availability_zone = None
@@ -253,3 +254,17 @@ def test_direct_streaming_replicas_have_no_request_router():
     with pytest.raises(ConfigError, match="request_router_config does not apply with direct_streaming"):
         direct_streaming_options("m", backend_config("huggingface"), {"request_router_config": {
             "request_router_class": POWER_OF_TWO_ROUTER}})
+
+
+@route
+async def test_an_adapters_requests_go_to_the_replicas_that_hold_it(router, replicas):
+    """Adapters loaded at run time (`lora_modules_path`): a replica reports those it holds in its
+    routing stats, and the router remembers where it sent each; with no prefix to follow, a
+    request for an adapter goes there first."""
+    replicas[2].routing_stats = {"lora_adapters": ["customer-7"]}
+    assert (await ranks(router, replicas, pending([5] * 200, lora_name="customer-7")))[0] == ["r2"]
+    router.on_request_routed(pending([6] * 200, lora_name="customer-9"), replicas[0].replica_id, None)
+    assert (await ranks(router, replicas, pending([7] * 200, lora_name="customer-9")))[0] == ["r0"]
+    assert len(await ranks(router, replicas, pending([7] * 200, lora_name="customer-1"))) == 1
+    router.update_replicas(replicas[1:])
+    assert len(await ranks(router, replicas[1:], pending([7] * 200, lora_name="customer-9"))) == 1

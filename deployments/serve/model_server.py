@@ -110,6 +110,12 @@ class ModelServer:
     async def model_info(self) -> ModelInfo:
         return self.engine.model_info()
 
+    async def record_routing_stats(self) -> dict:
+        """Ray Serve's routing stats of this replica (`request_routing_stats_period_s`, 10 s):
+        the LoRA adapters it loaded at run time, which `PrefixAffinityRouter` prefers for their
+        requests."""
+        return {"lora_adapters": self.engine.loaded_adapters()}
+
     async def check_health(self) -> None:
         await self.engine.check_health()
 

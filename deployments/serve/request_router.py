@@ -46,7 +46,7 @@ class PrefixAffinityIndex:
     Args:
         max_blocks: block hashes held (each names a prompt prefix and the replicas that saw it);
             the least recently used go first.
-        max_sessions: session IDs held, least recently used first.
+        max_sessions: session IDs held, least recently used first (and as many LoRA adapters).
         block_tokens: tokens per block.
     """
 
@@ -56,6 +56,7 @@ class PrefixAffinityIndex:
         self.block_tokens = block_tokens
         self._blocks: OrderedDict[bytes, set[Any]] = OrderedDict()
         self._sessions: OrderedDict[str, Any] = OrderedDict()
+        self._adapters: OrderedDict[str, set[Any]] = OrderedDict()  # LoRA adapter -> replicas sent it
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -79,8 +80,12 @@ class PrefixAffinityIndex:
     def session_replica(self, session_id: str) -> Any | None:
         return self._sessions.get(session_id) if session_id else None
 
-    def record(self, replica: Any, hashes: list[bytes], session_id: str = "") -> None:
-        """`replica` was sent a prompt of these block hashes (and this session)."""
+    def adapter_replicas(self, adapter: str | None) -> set[Any]:
+        """The replicas that were sent requests for LoRA adapter `adapter`."""
+        return set(self._adapters.get(adapter, ())) if adapter else set()
+
+    def record(self, replica: Any, hashes: list[bytes], session_id: str = "", adapter: str | None = None) -> None:
+        """`replica` was sent a prompt of these block hashes (and this session, this adapter)."""
         # Deepest first, so a shared root is the most recently used and eviction takes leaves first.
         for block in reversed(hashes):
             holders = self._blocks.get(block)
@@ -93,9 +98,16 @@ class PrefixAffinityIndex:
             self._blocks.popitem(last=False)
         if session_id:
             self._sessions[session_id] = replica
-            self._sessions.move_to_end(session_id)
-            while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+            self._bound(self._sessions, session_id)
+        if adapter:
+            self._adapters.setdefault(adapter, set()).add(replica)
+            self._bound(self._adapters, adapter)
+
+    def _bound(self, table: OrderedDict, key: str) -> None:
+        """`key` was just used: keep it, drop the least recently used beyond `max_sessions`."""
+        table.move_to_end(key)
+        while len(table) > self.max_sessions:
+            table.popitem(last=False)
 
     def remove(self, gone: set[Any]) -> None:
         """Forget replicas that left (their caches went with them)."""
@@ -108,6 +120,10 @@ class PrefixAffinityIndex:
                 del self._blocks[block]
         for session_id in [s for s, r in self._sessions.items() if r in gone]:
             del self._sessions[session_id]
+        for adapter in list(self._adapters):
+            self._adapters[adapter] -= gone
+            if not self._adapters[adapter]:
+                del self._adapters[adapter]
 
 
 def routing_key(pending_request: PendingRequest | None) -> GenerationRequest | None:
@@ -155,8 +171,9 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     def preferred(self, candidates: list[RunningReplica], request: GenerationRequest,
                   session_id: str) -> list[RunningReplica]:
         """The replicas to try before power of two choices: the session's, else those with the
-        longest prefix of the prompt (least loaded first); empty when none, when the match is
-        too short, or when they are loaded more than `imbalanced_threshold` above the least."""
+        longest prefix of the prompt, else, for a LoRA adapter, those that hold it (least loaded
+        first); empty when none, when the match is too short, or when they are loaded more than
+        `imbalanced_threshold` above the least."""
         by_id = {r.replica_id: r for r in candidates}
         chosen: list[ReplicaID] = []
         if (sticky := self.index.session_replica(session_id)) in by_id:
@@ -166,6 +183,11 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
             best, matched = self.index.longest(hashes, set(by_id))
             if best and matched * self.index.block_tokens >= self.match_rate_threshold * len(request.prompt_token_ids):
                 chosen = sorted(best, key=lambda rid: self.in_flight.get(rid, 0))
+            elif request.lora_name:  # the replicas that hold its adapter (they report it) or were sent it
+                holders = {rid for rid, r in by_id.items()
+                           if request.lora_name in (getattr(r, "routing_stats", None) or {}).get("lora_adapters", ())}
+                holders |= self.index.adapter_replicas(request.lora_name) & set(by_id)
+                chosen = sorted(holders, key=lambda rid: self.in_flight.get(rid, 0))
         least = min(self.in_flight.get(rid, 0) for rid in by_id) if chosen else 0
         return [by_id[rid] for rid in chosen if self.in_flight.get(rid, 0) - least <= self.imbalanced_threshold]
 
@@ -185,7 +207,7 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
         self._routed[pending_request.metadata.internal_request_id, replica_id] += 1
         hashes = self.index.hashes(request.prompt_token_ids, request.lora_name or "")
-        self.index.record(replica_id, hashes, pending_request.metadata.session_id)
+        self.index.record(replica_id, hashes, pending_request.metadata.session_id, request.lora_name)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         key = (internal_request_id, replica_id)

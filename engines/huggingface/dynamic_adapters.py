@@ -48,7 +48,11 @@ class DynamicAdapters:
         self.in_use: Counter[str] = Counter()
         self._loading: dict[str, asyncio.Future] = {}
         self._loads = 0
-        self.evictions = 0
+        # counted for the engine's metrics (`HuggingFaceEngine.export_metrics`)
+        self.loads = 0  # adapters loaded
+        self.evictions = 0  # adapters unloaded to make room
+        self.hits = 0  # requests whose adapter was loaded already (or being loaded for another)
+        self.load_seconds = 0.0  # time spent checking and loading, over every load
 
     def path(self, name: str) -> Path:
         """The adapter's directory in the store.
@@ -80,17 +84,23 @@ class DynamicAdapters:
                 model), NOT_FOUND (not in the store), OVERLOADED (`max_loaded` adapters loaded and
                 every one in use).
         """
+        waited = False
         while True:
             if name in self.loaded:
                 self.loaded.move_to_end(name)
                 self.in_use[name] += 1
+                self.hits += 1 if not waited else 0
                 return self.loaded[name]
             pending = self._loading.get(name)
             if pending is None:
                 break
+            waited = True
+            self.hits += 1
             await asyncio.shield(pending)  # then look again: the load may have failed
         path = self.path(name)
-        done = self._loading[name] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        done, started = loop.create_future(), loop.time()
+        self._loading[name] = done
         try:
             evict = self._victim(name)
             try:
@@ -105,6 +115,8 @@ class DynamicAdapters:
                 raise ServingError(ErrorKind.INVALID_REQUEST, f"LoRA adapter {name!r}: {exc}", param="model") from None
             if evict is not None:
                 self.evictions += 1
+            self.loads += 1
+            self.load_seconds += loop.time() - started
             self.loaded[name] = peft_name
             self.in_use[name] += 1
             return peft_name

@@ -52,6 +52,18 @@ HF_METRICS = (
     MetricSpec("hf_prefix_cache_hits", "counter", "tokens",
                "Prompt tokens found in the huggingface backend's prefix cache (not prefilled)."),
 )
+#: The metrics of adapters loaded at run time (`lora_modules_path`).
+HF_ADAPTER_METRICS = (
+    MetricSpec("hf_lora_adapter_loads", "counter", "adapters", "LoRA adapters loaded from lora_modules_path."),
+    MetricSpec("hf_lora_adapter_evictions", "counter", "adapters",
+               "LoRA adapters unloaded to make room for another (max_loras_per_replica)."),
+    MetricSpec("hf_lora_adapter_hits", "counter", "requests",
+               "Requests for an adapter of lora_modules_path that was loaded already (or being loaded); "
+               "over hits + loads it is the adapter cache's hit ratio."),
+    MetricSpec("hf_lora_adapter_load_seconds", "counter", "seconds",
+               "Time spent checking and loading adapters; over hf_lora_adapter_loads, the mean load time."),
+    MetricSpec("hf_lora_adapters_loaded", "gauge", "adapters", "LoRA adapters of lora_modules_path loaded now."),
+)
 #: Seconds between two exports of the counters.
 METRICS_INTERVAL_S = 5.0
 
@@ -305,17 +317,29 @@ class HuggingFaceEngine(Engine):
 
     async def export_metrics(self, model_id: str, exporter: MetricsExporter, interval_s: float = METRICS_INTERVAL_S
                              ) -> None:
-        """Add the prefix cache's new queried and hit tokens to `HF_METRICS`' counters every
-        `interval_s`, labelled `model_id` and `backend`, until cancelled; returns at once where
-        the engine has no prefix cache (off, or a model it cannot serve)."""
-        counters = [exporter.Counter(spec.name, spec.description, spec.labels) for spec in HF_METRICS]
+        """Add what grew to `HF_METRICS`' counters (the prefix cache's queried and hit tokens)
+        and `HF_ADAPTER_METRICS`' (adapters loaded at run time) every `interval_s`, labelled
+        `model_id` and `backend`, until cancelled; returns once the engine has neither (the
+        prefix cache off, or turned off for a model it cannot serve, and no `lora_modules_path`)."""
+        metrics = {spec.name: (exporter.Gauge if spec.kind == "gauge" else exporter.Counter)(
+            spec.name, spec.description, spec.labels) for spec in HF_METRICS + HF_ADAPTER_METRICS}
         tags = {"model_id": model_id, "backend": self.config.infer_backend}
-        sent = [0, 0]
-        while self._batcher is not None and (cache := self._batcher.prefix_cache) is not None:
-            for i, (counter, total) in enumerate(zip(counters, (cache.queried_tokens, cache.hit_tokens))):
-                if total > sent[i]:
-                    counter.inc(total - sent[i], tags)
-                    sent[i] = total
+        sent: dict[str, float] = {}
+        while self._batcher is not None:
+            cache, adapters = self._batcher.prefix_cache, self._dynamic_adapters
+            totals: dict[str, float] = {}
+            if cache is not None:
+                totals |= {"hf_prefix_cache_queries": cache.queried_tokens, "hf_prefix_cache_hits": cache.hit_tokens}
+            if adapters is not None:
+                totals |= {"hf_lora_adapter_loads": adapters.loads, "hf_lora_adapter_evictions": adapters.evictions,
+                           "hf_lora_adapter_hits": adapters.hits, "hf_lora_adapter_load_seconds": adapters.load_seconds}
+                metrics["hf_lora_adapters_loaded"].set(len(adapters.loaded), tags)
+            if not totals:
+                return
+            for name, total in totals.items():
+                if total > sent.get(name, 0):
+                    metrics[name].inc(total - sent.get(name, 0), tags)
+                    sent[name] = total
             await asyncio.sleep(interval_s)
 
     async def shutdown(self) -> None:
@@ -442,6 +466,9 @@ class HuggingFaceEngine(Engine):
                     return
         finally:
             self._batcher.cancel(batch_request)
+
+    def loaded_adapters(self) -> list[str]:
+        return list(self._dynamic_adapters.loaded) if self._dynamic_adapters is not None else []
 
     async def _swap_adapter(self, evict: str | None, path: Path, peft_name: str) -> None:
         """`DynamicAdapters`' swap: on the batcher's thread, between two steps."""
