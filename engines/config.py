@@ -270,8 +270,10 @@ class EngineConfig(BaseModel):
         "a restart, checked against the base model (vLLM's `--lora-modules` resolved at run time, Ray Serve LLM's "
         "`dynamic_lora_loading_path`). Built on the huggingface backend, for a local or shared directory.")
     max_loras_per_replica: int = Field(
-        8, ge=1, description="Most adapters from `lora_modules_path` loaded on a replica at once; loading one more "
-        "unloads the least recently used that no running request uses (503 while every one is in use).")
+        16, ge=1, description="Most adapters from `lora_modules_path` loaded on a replica at once (Ray Serve LLM's "
+        "`max_num_adapters_per_replica` default); loading one more "
+        "unloads the least recently used that no running request uses; while every one is in use the load "
+        "waits (60 s at most, then 503).")
     template: str | None = Field(
         None, description="LLaMA-Factory's template name (all 121 of LLaMA-Factory 0.9.5, rendered as it renders "
         "them, stop words included). Unset: the tokenizer's chat template read as LLaMA-Factory reads it, or "

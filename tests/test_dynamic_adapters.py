@@ -40,9 +40,9 @@ class Loads:
         self.calls.append((evict, peft_name))
 
 
-def adapters(tmp_path, max_loaded=2, check=lambda path: None):
+def adapters(tmp_path, max_loaded=2, check=lambda path: None, wait_s=0.0):
     loads = Loads()
-    return DynamicAdapters(store_of(tmp_path, "a", "b", "c.v2"), max_loaded, check, loads.swap), loads
+    return DynamicAdapters(store_of(tmp_path, "a", "b", "c.v2"), max_loaded, check, loads.swap, wait_s), loads
 
 
 def test_an_adapter_loads_once_and_the_least_recently_used_idle_one_makes_room(tmp_path):
@@ -78,6 +78,24 @@ def test_an_adapter_in_use_is_not_unloaded_and_a_full_replica_answers_503(tmp_pa
         dyn.release("a")
         await dyn.acquire("c.v2")
         assert set(dyn.loaded) == {"b", "c.v2"}
+
+    asyncio.run(main())
+
+
+def test_a_load_on_a_full_replica_waits_for_an_adapter_to_fall_idle(tmp_path):
+    """As vLLM's scheduler keeps a request waiting for a LoRA slot: the load waits (up to
+    `wait_s`) and takes the first adapter released."""
+    dyn, loads = adapters(tmp_path, wait_s=5)
+
+    async def main():
+        await dyn.acquire("a")
+        await dyn.acquire("b")
+        waiting = asyncio.create_task(dyn.acquire("c.v2"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        dyn.release("b")
+        await asyncio.wait_for(waiting, 1)
+        assert set(dyn.loaded) == {"a", "c.v2"}
 
     asyncio.run(main())
 
@@ -122,7 +140,7 @@ def test_bad_names_missing_adapters_and_adapters_of_another_model_are_refused(tm
 
 
 def test_the_store_is_a_local_directory_on_the_huggingface_backend():
-    assert EngineConfig(lora_modules_path="/srv/adapters").max_loras_per_replica == 8
+    assert EngineConfig(lora_modules_path="/srv/adapters").max_loras_per_replica == 16
     for fields, message in (({"infer_backend": "vllm"}, "built on the huggingface backend only"),
                             ({"lora_modules_path": "s3://bucket/adapters"}, "remote stores"),
                             ({"max_loras_per_replica": 0}, "max_loras_per_replica")):
@@ -227,3 +245,29 @@ def test_adapters_copied_into_a_running_servers_store_are_served_by_name(serve_u
             ask("dyn:..")
     finally:
         serve.delete("dynamic-lora")
+
+
+def test_concurrent_loads_each_unload_a_different_adapter(tmp_path):
+    """Two loads at once on a full replica each make room with an adapter of their own (the
+    bench's 500: both picked the same least recently used one)."""
+    dyn, loads = adapters(tmp_path, max_loaded=2)
+    store_of(tmp_path, "d")
+
+    async def main():
+        for name in ("a", "b"):
+            await dyn.acquire(name)
+            dyn.release(name)
+        await asyncio.gather(dyn.acquire("c.v2"), dyn.acquire("d"))
+        assert set(dyn.loaded) == {"c.v2", "d"} and dyn.evictions == 2
+        assert sorted(evicted for evicted, _ in loads.calls[2:]) == sorted(dyn_names[:2])
+
+    dyn_names = []
+    original = loads.swap
+
+    async def swap(evict, path, peft_name):
+        dyn_names.append(peft_name)
+        await asyncio.sleep(0)
+        await original(evict, path, peft_name)
+
+    dyn._swap = swap
+    asyncio.run(main())

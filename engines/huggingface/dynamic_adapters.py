@@ -36,12 +36,16 @@ class DynamicAdapters:
         swap: `swap(evict, path, peft_name)` unloads peft adapter `evict` (None: none) and loads
             the adapter at `path` as `peft_name` (`ModelLoadError` when it cannot); awaited, so it
             may run on another thread.
+        wait_s: how long a load waits for a loaded adapter to fall idle when every one is in
+            use (as vLLM's scheduler keeps a request waiting for a LoRA slot), before OVERLOADED.
     """
 
     def __init__(self, store: str | Path, max_loaded: int, check: Callable[[Path], None],
-                 swap: Callable[[str | None, Path, str], Awaitable[None]]):
+                 swap: Callable[[str | None, Path, str], Awaitable[None]], wait_s: float = 60.0):
         self.store = Path(store)
         self.max_loaded = max_loaded
+        self.wait_s = wait_s
+        self._idle_waiters: list[asyncio.Future] = []  # loads waiting for an adapter to fall idle
         self._check = check
         self._swap = swap
         self.loaded: OrderedDict[str, str] = OrderedDict()  # name -> peft name, least recently used first
@@ -82,7 +86,7 @@ class DynamicAdapters:
         Raises:
             ServingError: INVALID_REQUEST (bad name, or an adapter that does not fit the base
                 model), NOT_FOUND (not in the store), OVERLOADED (`max_loaded` adapters loaded and
-                every one in use).
+                every one in use for `wait_s`).
         """
         waited = False
         while True:
@@ -102,11 +106,12 @@ class DynamicAdapters:
         done, started = loop.create_future(), loop.time()
         self._loading[name] = done
         try:
-            evict = self._victim(name)
+            await self._wait_for_room(name, loop.time() + self.wait_s)
             try:
                 await asyncio.to_thread(self._check, path)
-                if evict is not None and self.in_use[evict]:  # taken while the check ran
-                    evict = self._victim(name)
+                # chosen again, with no await before it leaves `loaded`: while the check ran, the
+                # one chosen before may have been taken, or unloaded by a concurrent load
+                evict = self._victim(name)
                 self._loads += 1
                 peft_name = f"dyn{self._loads}_{name.replace('.', '_')}"
                 evicted_peft = self.loaded.pop(evict) if evict is not None else None
@@ -129,6 +134,32 @@ class DynamicAdapters:
         self.in_use[name] -= 1
         if self.in_use[name] <= 0:
             del self.in_use[name]
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def _wait_for_room(self, name: str, deadline: float) -> None:
+        """Return once `name` could load (room, or an idle adapter to unload); wait while every
+        loaded adapter is in use, until `deadline` (event-loop time).
+
+        Raises:
+            ServingError: OVERLOADED, still no room at `deadline`.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                self._victim(name)
+                return
+            except ServingError:
+                if loop.time() >= deadline:
+                    raise
+            waiter = loop.create_future()
+            self._idle_waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, deadline - loop.time())
+            except TimeoutError:
+                pass
 
     def _victim(self, name: str) -> str | None:
         """The adapter to unload so that `name` can load: None while there is room, else the
@@ -143,5 +174,5 @@ class DynamicAdapters:
             if not self.in_use[loaded]:
                 return loaded
         raise ServingError(ErrorKind.OVERLOADED, f"cannot load LoRA adapter {name!r}: this replica holds "
-                           f"max_loras_per_replica={self.max_loaded} adapters and every one is in use; retry later",
-                           retry_after_s=1)
+                           f"max_loras_per_replica={self.max_loaded} adapters and every one was in use for "
+                           f"{self.wait_s:g} s; retry later", retry_after_s=1)
