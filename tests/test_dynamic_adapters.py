@@ -12,7 +12,7 @@ import pytest
 from conftest import collect, run, started_engine, text_of
 from engines.base import GenerationRequest, SamplingParams
 from engines.config import ConfigError, EngineConfig
-from engines.errors import ServingError
+from engines.errors import ModelLoadError, ServingError
 from engines.huggingface.dynamic_adapters import DynamicAdapters
 from fake_engine import FakeEngine, serve_fake
 
@@ -133,7 +133,7 @@ def test_bad_names_missing_adapters_and_adapters_of_another_model_are_refused(tm
     assert asyncio.run(refused("empty")) == ("not_found", "model")
     assert asyncio.run(refused("missing")) == ("not_found", "model")
     assert asyncio.run(refused("b")) == ("invalid_request", "model")
-    loads.fail = __import__("engines.errors", fromlist=["ModelLoadError"]).ModelLoadError("peft: shapes differ")
+    loads.fail = ModelLoadError("peft: shapes differ")
     assert asyncio.run(refused("a")) == ("invalid_request", "model")
     assert not dyn.loaded and not dyn.in_use and loads.calls == []
     assert dyn.available() == ["a", "b", "c.v2"]

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from conftest import collect, run
+from conftest import collect, run, text_of
 from engines.base import GenerationRequest, SamplingParams
 from engines.config import BASE_MODEL
 from engines.errors import ServingError
@@ -13,10 +13,6 @@ from engines.errors import ServingError
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def text_of(deltas, index=0):
-    return "".join(d.text for d in deltas if d.index == index)
 
 
 def finish_of(deltas, index=0):

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import collect, group_exists, run
+from conftest import collect, group_exists, run, text_of
 from real_sglang import launch_command
 from engines.base import GenerationRequest, SamplingParams, StructuredOutput
 from engines.config import BASE_MODEL, EngineConfig
@@ -48,10 +48,6 @@ LOOP = asyncio.new_event_loop()
 
 def srun(coro):
     return LOOP.run_until_complete(coro)
-
-
-def text_of(deltas, index=0):
-    return "".join(d.text for d in deltas if d.index == index)
 
 
 def finish_of(deltas, index=0):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import collect, run
+from conftest import collect, run, text_of
 from engines.base import GenerationRequest, SamplingParams, StructuredOutput
 from engines.errors import ServingError
 
@@ -24,10 +24,6 @@ VARIED_PROMPTS = [
     "Who wrote Hamlet?",
     "def fibonacci(n):",
 ]
-
-
-def text_of(deltas, index=0):
-    return "".join(d.text for d in deltas if d.index == index)
 
 
 def finish_of(deltas, index=0):

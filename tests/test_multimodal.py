@@ -7,7 +7,7 @@ import openai
 import pytest
 from PIL import Image
 
-from conftest import TEST_API_KEY, collect, data_url, png_bytes, run, started_engine
+from conftest import TEST_API_KEY, collect, data_url, png_bytes, run, started_engine, text_of
 from engines.base import GenerationRequest, MediaInput, SamplingParams
 from engines.errors import ServingError
 from tiny_vlm import IMAGE_TOKEN, TOKENS_PER_IMAGE
@@ -82,10 +82,6 @@ def greedy(engine, renderer, images, max_tokens=12, **params):
     ids, media = renderer.render_chat_with_images(ask(*images), images)
     return run(collect(engine, GenerationRequest("img", ids, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                             **params), media=media)))
-
-
-def text_of(deltas, index=0):
-    return "".join(d.text for d in deltas if d.index == index)
 
 
 def test_the_image_reaches_the_model(vlm_engine, vlm_renderer):
