@@ -354,6 +354,11 @@ def test_prefix_cache_keeps_adapters_apart():
     assert cache.hit_tokens == 2 * 64  # tuned_again and base_again, each from its own namespace
 
 
+def _unsent(name: str, prompt: list[int]) -> BatchRequest:
+    """A greedy 4-token request for calling the batcher's admission and prefill directly."""
+    return BatchRequest(name, prompt, SamplingParams(temperature=0), 4, set(), torch.Generator(), lambda _: None)
+
+
 def test_a_prefill_counts_the_cached_tokens_it_reuses_not_those_it_found():
     """A prompt with a cached prefix prefilled together with one without: the prefill starts at
     the first column either needs (the cold prompt's first token), and only the hit's tokens
@@ -363,11 +368,8 @@ def test_a_prefill_counts_the_cached_tokens_it_reuses_not_those_it_found():
     client = _run(model, lambda c: c.submit("first", cached, 4), prefix_cache_tokens=10_000)
     batcher = client.batcher
 
-    def request(name, prompt):
-        return BatchRequest(name, prompt, SamplingParams(temperature=0), 4, set(), torch.Generator(), lambda _: None)
-
     cold, warm = _prompt(71, 40), cached + _prompt(72, 5)  # 75 columns: cold padded by 35
-    job = batcher._start_prefill([request("cold", cold), request("warm", warm)])
+    job = batcher._start_prefill([_unsent("cold", cold), _unsent("warm", warm)])
     # warm's 64 cached tokens (4 blocks) were found; the prefill starts at column 35
     assert job.done == 35 and batcher.prefix_cache.hit_tokens == 35
 
@@ -416,16 +418,13 @@ def test_a_prompt_with_a_cached_prefix_is_not_prefilled_with_a_cold_one():
     client = _run(model, lambda c: c.submit("first", cached, 4), prefix_cache_tokens=10_000)
     batcher = client.batcher
 
-    def request(name, prompt):
-        return BatchRequest(name, prompt, SamplingParams(temperature=0), 4, set(), torch.Generator(), lambda _: None)
-
-    cold, warm = request("cold", _prompt(91, 90)), request("warm", cached + _prompt(92, 5))
+    cold, warm = _unsent("cold", _prompt(91, 90)), _unsent("warm", cached + _prompt(92, 5))
     batcher._waiting.extend([cold, warm])
     assert batcher._admit() == [warm] and list(batcher._waiting) == [cold]
     job = batcher._start_prefill([warm])
     assert job.done == 64 and warm.cached_tokens == 64
     # prompts with as much to compute go together, in their order
     batcher._waiting.clear()
-    same = [request(f"c{k}", _prompt(93 + k, 40 + k)) for k in range(3)]
+    same = [_unsent(f"c{k}", _prompt(93 + k, 40 + k)) for k in range(3)]
     batcher._waiting.extend(same)
     assert batcher._admit() == same
