@@ -236,7 +236,9 @@ class LmserveApi:
         config.write_text(SERVE_CONFIG.format(port=port, model=MODEL, replicas=replicas))
         self.server = ServerProcess(
             [sys.executable, "-m", "deployments.cli.main", "serve", str(config)],
-            env={**os.environ, "API_KEY": API_KEY, "RAY_TMPDIR": str(ray_tmp), **(env or {})},
+            # PYTHONFAULTHANDLER: a crash of the command (a signal) leaves its threads' stacks in the log
+            env={**os.environ, "API_KEY": API_KEY, "RAY_TMPDIR": str(ray_tmp), "PYTHONFAULTHANDLER": "1",
+                 **(env or {})},
             cwd=REPO, log_path=workdir / "lmserve.log", marker=str(ray_tmp))
 
     def start(self, timeout_s: float = 420) -> float:

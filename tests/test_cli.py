@@ -758,3 +758,20 @@ def test_runs_are_recorded_for_status_and_forgotten_when_their_process_goes(tmp_
         "application 'lmserve': DEPLOYING",
         "  deployment 'ModelServer:smollm2': UPDATING, replicas: 1 running, 1 starting (waiting for a replica)"]
     assert runs.describe_status(ServeStatus()) == ["no applications"]
+
+
+def test_a_ray_driver_command_exits_after_its_exit_handlers_without_finalizing(tmp_path):
+    """`lmserve serve`/`api`/`batch` end through `exit_without_finalizing`: the exit handlers
+    (Ray's shutdown, the reaper) run and their output is flushed, then the process ends with
+    the command's status, before the interpreter's finalization (where Ray's threads crashed
+    a drained `lmserve serve` with SIGSEGV)."""
+    script = ("import atexit, sys, threading\n"
+              "from deployments.cli.main import exit_without_finalizing\n"
+              "atexit.register(lambda: print('exit handler ran'))\n"
+              "threading._register_atexit(lambda: print('finalization ran'))\n"
+              "print('buffered', end='')\n"
+              "exit_without_finalizing(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1], timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "bufferedexit handler ran\n"

@@ -173,7 +173,7 @@ def test_sigterm_under_load_drains_and_loses_no_request(server):
     print("SIGTERM:", {k: getattr(counted, k) for k in ("sent", "complete", "refused", "failed_visibly", "lost")},
           counted.notes, long_results)
     assert counted.lost == 0, counted.notes
-    assert server.server.proc.returncode == 0
+    assert server.server.proc.returncode == 0, server.server.log_tail(60)
     assert len(results) > signalled_at  # requests were sent during the drain
     # streams still running when the drain ends get an error event, then [DONE]
     for result in long_results:

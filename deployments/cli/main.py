@@ -646,10 +646,31 @@ def main(argv: list[str] | None = None) -> int:
 
         reap_at_exit()
     try:
-        return args.func(args)
+        code = args.func(args)
     except (ConfigError, PortsInUseError) as exc:
         print(f"lmserve: {exc}", file=sys.stderr)
         return 2
+    if args.func in (_api, _serve, _batch):
+        exit_without_finalizing(code)
+    return code
+
+
+def exit_without_finalizing(code: int) -> None:
+    """End a Ray driver process with `code`: run the exit handlers (Ray's `ray.shutdown`, which
+    stops a local cluster this process started, then `reap_descendants`), flush stdout and
+    stderr, and `os._exit`, skipping the interpreter's finalization. Ray's core worker threads
+    can still be running then and crash it (SIGSEGV) while modules are torn down, which turns a
+    clean drain into exit status -11; Ray ends its own worker processes the same way
+    (ray-project/ray#18899)."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
