@@ -177,13 +177,16 @@ class GenerationRequest:
 
     `lora_name`: None = the model as configured, i.e. with `EngineConfig.applied_adapters` (as
     LLaMA-Factory serves `adapter_name_or_path`); an adapter of `EngineConfig.lora_adapters` =
-    that adapter alone; `engines.config.BASE_MODEL` = the base model without adapters."""
+    that adapter alone; `engines.config.BASE_MODEL` = the base model without adapters; another
+    name = an adapter of `lora_modules_path`, or, with `lora_path`, the adapter there (one added
+    with `POST /v1/load_lora_adapter`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     lora_name: str | None = None
     media: MediaInput | None = None
+    lora_path: str | None = None
 
 
 @dataclass
@@ -313,7 +316,8 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
     if outside:
         raise ServingError.invalid_request(f"logit_bias: token id(s) {outside[:10]} are out of this model's vocabulary "
                                            f"(size {vocab_size})", param="logit_bias")
-    if request.lora_name not in (None, BASE_MODEL, *config.lora_adapters) and config.lora_modules_path is None:
+    if (request.lora_name not in (None, BASE_MODEL, *config.lora_adapters) and config.lora_modules_path is None
+            and request.lora_path is None):
         raise ServingError.invalid_request(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
                                            f"{sorted(config.lora_adapters)}", param="model")
     return params, max_tokens

@@ -268,7 +268,14 @@ class EngineConfig(BaseModel):
         None, description="A directory of LoRA adapters, one per subdirectory (peft's `adapter_config.json` and "
         "weights): `<model_id>:<name>` loads `<dir>/<name>` on the replica that serves it, on first use and without "
         "a restart, checked against the base model (vLLM's `--lora-modules` resolved at run time, Ray Serve LLM's "
-        "`dynamic_lora_loading_path`). Built on the huggingface backend, for a local or shared directory.")
+        "`dynamic_lora_loading_path`). A local or shared directory, or an fsspec URI (`s3://`, `gs://`, ...: each "
+        "adapter is downloaded once into `$LMSERVE_HOME/lora-cache`). Built on the huggingface and vllm backends.")
+    allow_runtime_lora_updating: bool = Field(
+        False, description="Serve vLLM's admin routes for this model: `POST /v1/load_lora_adapter` (`lora_name`, "
+        "`lora_path`: a local directory or an fsspec URI) adds `<model_id>:<lora_name>`, which every replica loads on "
+        "its first request for it, and `POST /v1/unload_lora_adapter` removes it (vLLM's "
+        "`VLLM_ALLOW_RUNTIME_LORA_UPDATING`). Off by default; the routes take the API key. Built on the huggingface "
+        "and vllm backends.")
     max_loras_per_replica: int = Field(
         16, ge=1, description="Most adapters from `lora_modules_path` loaded on a replica at once (Ray Serve LLM's "
         "`max_num_adapters_per_replica` default); loading one more "
@@ -426,18 +433,31 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_lora_modules_path(self) -> "EngineConfig":
-        if self.lora_modules_path is None:
-            return self
-        if self.infer_backend != "huggingface":
-            raise ValueError(f"lora_modules_path: loading adapters at run time is built on the huggingface backend "
-                             f"only, not yet on {self.infer_backend!r}; list the adapters in adapter_name_or_path")
-        if "://" in self.lora_modules_path:
-            raise ValueError(f"lora_modules_path: {self.lora_modules_path!r}: remote stores (s3://, gs://, ...) are "
-                             "not built yet; use a local or shared directory")
-        if self.is_reward_model or self.serves_embeddings or self.quantization_bit is not None:
-            raise ValueError("lora_modules_path: adapters loaded at run time are served on generating models that "
-                             "are not quantized on the fly")
+        for field, value in (("lora_modules_path", self.lora_modules_path),
+                             ("allow_runtime_lora_updating", self.allow_runtime_lora_updating or None)):
+            if value is None:
+                continue
+            if self.infer_backend not in ("huggingface", "vllm"):
+                raise ValueError(f"{field}: loading adapters at run time is built on the huggingface and vllm "
+                                 f"backends, not yet on {self.infer_backend!r}; list the adapters in "
+                                 "adapter_name_or_path")
+            if self.is_reward_model or self.serves_embeddings or self.quantization_bit is not None:
+                raise ValueError(f"{field}: adapters loaded at run time are served on generating models that "
+                                 "are not quantized on the fly")
+        if self.lora_modules_path is not None:
+            from engines.adapter_store import check_store_uri
+
+            try:
+                check_store_uri(self.lora_modules_path)
+            except ValueError as exc:
+                raise ValueError(f"lora_modules_path: {exc}") from None
         return self
+
+    @property
+    def loads_adapters_at_run_time(self) -> bool:
+        """Whether replicas load adapters not configured at start (`lora_modules_path`, or
+        `allow_runtime_lora_updating`)."""
+        return self.lora_modules_path is not None or self.allow_runtime_lora_updating
 
     @model_validator(mode="after")
     def _check_task(self) -> "EngineConfig":

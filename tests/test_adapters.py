@@ -290,7 +290,7 @@ def test_vllm_and_sglang_serve_the_first_adapter_without_a_name(lora_name, chose
         assert single_lora_adapter(request([1], lora_name), config) == chosen
     vllm = VLLMEngine(EngineConfig(infer_backend="vllm", adapter_name_or_path="/a/sft,/b/dpo"))
     vllm._lora_requests = {"sft": "LoRARequest(sft)", "dpo": "LoRARequest(dpo)"}  # what `start` loads
-    assert vllm.lora_request(request([1], lora_name)) == (f"LoRARequest({chosen})" if chosen else None)
+    assert asyncio.run(vllm.lora_request(request([1], lora_name))) == (f"LoRARequest({chosen})" if chosen else None)
     body = generate_payload("r", [1], SamplingParams(), 4, single_lora_adapter(
         request([1], lora_name), EngineConfig(infer_backend="sglang", adapter_name_or_path="/a/sft,/b/dpo")))
     assert body.get("lora_path") == chosen

@@ -5,11 +5,16 @@ never unload one in use, bad names and adapters) on stand-in loads, the config's
 real peft adapters copied into a store."""
 
 import asyncio
+import json
 import shutil
+import threading
+import uuid
 
+import fsspec
 import pytest
 
 from conftest import collect, run, started_engine, text_of
+from engines.adapter_store import AdapterStore
 from engines.base import GenerationRequest, SamplingParams
 from engines.config import ConfigError, EngineConfig
 from engines.errors import ModelLoadError, ServingError
@@ -139,10 +144,59 @@ def test_bad_names_missing_adapters_and_adapters_of_another_model_are_refused(tm
     assert dyn.available() == ["a", "b", "c.v2"]
 
 
-def test_the_store_is_a_local_directory_on_the_huggingface_backend():
+def test_adapters_of_a_remote_store_are_downloaded_off_the_event_loop_once_and_served(tmp_path, monkeypatch):
+    """A `memory://` store (as s3:// or gs://): the adapter is downloaded once into the cache, in
+    a worker thread (the event loop keeps running), and the check and swap get the local copy;
+    the requests that came meanwhile wait for that one load."""
+    fs = fsspec.filesystem("memory")
+    root = f"/dyn-{uuid.uuid4().hex}"
+    fs.pipe({f"{root}/a/adapter_config.json": json.dumps({"r": 8}).encode(),
+             f"{root}/a/adapter_model.safetensors": b"w" * 100, f"{root}/notes.txt": b""})
+    release, gets, original_get = threading.Event(), [], type(fs).get
+
+    def gated_get(self, *args, **kwargs):  # on the class: fsspec caches one instance per thread
+        gets.append(args)
+        release.wait(5)
+        return original_get(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "get", gated_get)
+    checked, loads = [], Loads()
+    swapped = []
+
+    async def swap(evict, path, peft_name):
+        swapped.append(path)
+        await loads.swap(evict, path, peft_name)
+
+    dyn = DynamicAdapters(AdapterStore(f"memory:/{root}", cache_dir=tmp_path / "cache"), 2, checked.append, swap)
+
+    async def main():
+        waiting = [asyncio.create_task(dyn.acquire("a")) for _ in range(3)]
+        ticks = 0
+        while not gets and ticks < 500:
+            await asyncio.sleep(0.01)  # runs only while the download is off the event loop
+            ticks += 1
+        assert gets and not any(task.done() for task in waiting)
+        release.set()
+        names = await asyncio.gather(*waiting)
+        with pytest.raises(ServingError) as info:
+            await dyn.acquire("missing")
+        return names, info.value
+
+    try:
+        names, missing = asyncio.run(main())
+    finally:
+        fs.rm(root, recursive=True)
+    assert len(set(names)) == 1 and len(gets) == 1 and len(loads.calls) == 1 and dyn.in_use["a"] == 3
+    assert checked == swapped and checked[0].parent == tmp_path / "cache"
+    assert json.loads((checked[0] / "adapter_config.json").read_text()) == {"r": 8}
+    assert (missing.kind, missing.param) == ("not_found", "model") and f"memory:/{root}" in missing.message
+
+
+def test_the_store_is_local_or_an_fsspec_uri_on_the_huggingface_and_vllm_backends():
     assert EngineConfig(lora_modules_path="/srv/adapters").max_loras_per_replica == 16
-    for fields, message in (({"infer_backend": "vllm"}, "built on the huggingface backend only"),
-                            ({"lora_modules_path": "s3://bucket/adapters"}, "remote stores"),
+    assert EngineConfig(lora_modules_path="memory://adapters").lora_modules_path == "memory://adapters"
+    for fields, message in (({"infer_backend": "sglang"}, "not yet on 'sglang'"),
+                            ({"lora_modules_path": "nosuchfs://bucket/adapters"}, "'nosuchfs' is not one fsspec knows"),
                             ({"max_loras_per_replica": 0}, "max_loras_per_replica")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(**{"lora_modules_path": "/srv/adapters", **fields})

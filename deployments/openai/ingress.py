@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.serve.deployment_defaults import INGRESS_DEPLOYMENT_DEFAULTS
@@ -38,12 +39,15 @@ from deployments.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationDefaults,
+    LoadLoRAAdapterRequest,
+    LoraAdapterCard,
     ModelCard,
     ModelList,
     DetokenizeRequest,
     EmbeddingRequest,
     ScoreEvaluationRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from deployments.serve.router import ServedModel, ModelRouter
 from deployments.openai.serving_chat import ChatServing
@@ -55,14 +59,20 @@ from deployments.openai.serving_score import ScoreServing
 from deployments.openai.serving_tokenize import TokenizeServing
 from deployments.settings import IngressSettings
 from deployments.openai.webchat_assets import PAGE_HEADERS, WebChatFiles
-from engines.base import SamplingParams, with_config_defaults
-from engines.config import EngineConfig
-from engines.errors import ServingError
+from engines.adapter_store import AdapterStore, check_adapter_name, locate_adapter
+from engines.base import BASE_MODEL, SamplingParams, with_config_defaults
+from engines.config import ConfigError, EngineConfig
+from engines.lora import check_adapter_fits
+from engines.errors import ErrorKind, ServingError
 from engines.prompt.media import ImageLoader
-from engines.model_source import resolve_tokenizer_path
+from engines.model_source import is_embedded_model, is_local_path, resolve_model_path, resolve_tokenizer_path
 from engines.prompt.renderer import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
+
+# How long `GET /v1/models` reuses a listing of a model's `lora_modules_path` (seconds): a remote
+# store's listing is a network call.
+STORE_LISTING_TTL_S = 10.0
 
 _WEBCHAT = WebChatFiles()
 
@@ -95,11 +105,12 @@ def _asset_route(path: str):
     return webchat_asset
 
 
-def model_card(entry: ServedModel) -> ModelCard:
+def model_card(entry: ServedModel, held: dict[str, int] | None = None) -> ModelCard:
     """The `/v1/models` entry of `entry`: vLLM's fields, and lmserve's `input_modalities` (images
     where both the model's processor and its backend take them, as `ChatServing.render_prompt`
-    checks) and `generation_defaults` (what a request that sets no sampling field gets,
-    `engines.base.prepare_generation`), which the web chat starts from."""
+    checks), `generation_defaults` (what a request that sets no sampling field gets,
+    `engines.base.prepare_generation`), which the web chat starts from, and `lora` for an
+    adapter alone (`held`: replicas per adapter loaded at run time, `adapter_replicas`)."""
     cfg = entry.config
     takes_images = entry.renderer is not None and entry.renderer.accepts_images and entry.capabilities.images
     defaults = None
@@ -107,8 +118,16 @@ def model_card(entry: ServedModel) -> ModelCard:
         params = with_config_defaults(SamplingParams(), cfg)
         defaults = GenerationDefaults(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                       max_tokens=cfg.max_new_tokens, repetition_penalty=params.repetition_penalty)
+    lora = None
+    if entry.lora_path is not None:
+        lora = LoraAdapterCard(source="runtime", loaded_replicas=None if held is None else held.get(entry.lora_name, 0))
+    elif entry.from_store:
+        lora = LoraAdapterCard(source="store", loaded_replicas=None if held is None else held.get(entry.lora_name, 0))
+    elif entry.lora_name not in (None, BASE_MODEL):
+        lora = LoraAdapterCard(source="configured")
     return ModelCard(id=entry.model_id, root=entry.root, parent=entry.parent,
-                     input_modalities=["text", "image"] if takes_images else ["text"], generation_defaults=defaults)
+                     input_modalities=["text", "image"] if takes_images else ["text"], generation_defaults=defaults,
+                     lora=lora)
 
 
 def create_app(ingress: "OpenAIIngress") -> FastAPI:
@@ -137,6 +156,10 @@ def create_app(ingress: "OpenAIIngress") -> FastAPI:
     app.get("/v1/responses/{response_id}")(ingress.get_response)
     app.delete("/v1/responses/{response_id}")(ingress.delete_response)
     app.post("/v1/embeddings")(ingress.embeddings)
+    if any(entry.config.allow_runtime_lora_updating for entry in getattr(ingress, "models", {}).values()):
+        # vLLM serves them only with VLLM_ALLOW_RUNTIME_LORA_UPDATING; lmserve per model
+        app.post("/v1/load_lora_adapter")(ingress.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(ingress.unload_lora_adapter)
     # at the root, not under /v1: where vLLM serves them
     app.post("/tokenize")(ingress.tokenize)
     app.post("/detokenize")(ingress.detokenize)
@@ -200,6 +223,7 @@ class OpenAIIngress:
         self.router = ModelRouter(self.models, self.settings.request_timeout_s, self.metrics,
                                   max_requests=max_requests, backpressure_config=backpressure_config,
                                   queue_timeout_s=self.settings.queue_timeout_s or None)
+        self._store_listings: dict[str, tuple[float, list[str]]] = {}  # model ID -> (when, adapters)
         self.serving_chat = ChatServing(self.router, self.settings, ImageLoader(self.settings.media))
         self.serving_completion = CompletionServing(self.router, self.settings)
         self.serving_score = ScoreServing(self.router, self.settings)
@@ -230,12 +254,116 @@ class OpenAIIngress:
         return {"status": "ok"}
 
     async def list_models(self, request: Request) -> ModelList:
-        """Every model ID served (`model_card`)."""
-        return ModelList(data=[model_card(e) for e in self.models.values()])
+        """Every model ID served (`model_card`), and `<model_id>:<name>` for every adapter in a
+        model's `lora_modules_path` now (listed at most every `STORE_LISTING_TTL_S`)."""
+        cards = [model_card(e) for e in self.models.values()]
+        for entry in self.models.values():
+            if entry.parent is None and entry.config.lora_modules_path is not None:
+                held = entry.client.adapter_replicas()
+                cards.extend(model_card(self.router.resolve(f"{entry.model_id}:{name}"), held)
+                             for name in await self._store_adapters(entry)
+                             if f"{entry.model_id}:{name}" not in self.models)
+            if entry.parent is None and entry.config.allow_runtime_lora_updating:
+                held = entry.client.adapter_replicas()
+                added = await asyncio.to_thread(self.router.lora_registry.adapters, entry.model_id)
+                listed = {card.id for card in cards}
+                for name, path in sorted(added.items()):
+                    card = model_card(self._runtime_entry(entry, name, path), held)
+                    if card.id in listed:
+                        cards = [c for c in cards if c.id != card.id]  # it answers with the added one
+                    cards.append(card)
+        return ModelList(data=cards)
 
     async def get_model(self, model_id: str, request: Request) -> ModelCard:
-        entry = self.router.resolve(model_id)
+        entry = await asyncio.to_thread(self.router.resolve, model_id)  # may ask the registry (GCS)
+        if entry.lora_path is not None:
+            return model_card(entry, self.models[entry.parent].client.adapter_replicas())
+        if entry.from_store:
+            parent = self.models[entry.parent]
+            if entry.lora_name not in await self._store_adapters(parent, fresh=True):
+                raise ServingError.model_not_found(model_id, list(self.models))
+            return model_card(entry, parent.client.adapter_replicas())
         return model_card(entry)
+
+    @staticmethod
+    def _runtime_entry(parent: ServedModel, name: str, path: str) -> ServedModel:
+        entry = copy.copy(parent)
+        entry.model_id, entry.lora_name, entry.parent, entry.lora_path = f"{parent.model_id}:{name}", name, \
+            parent.model_id, path
+        return entry
+
+    def _adapter_target(self, lora_name: str) -> tuple[ServedModel, str]:
+        """The model and adapter name a load/unload request's `lora_name` means: `<model_id>:<name>`,
+        or `<name>` when one model allows adding adapters.
+
+        Raises:
+            ServingError: INVALID_REQUEST (param `lora_name`): no such model allows it, a bad name,
+                or the name of an adapter configured at start.
+        """
+        allowed = [e for e in self.models.values() if e.parent is None and e.config.allow_runtime_lora_updating]
+        model_id, sep, name = lora_name.rpartition(":")
+        parent = self.models.get(model_id) if sep else (allowed[0] if len(allowed) == 1 else None)
+        if parent not in allowed:
+            raise ServingError.invalid_request(
+                f"lora_name {lora_name!r}: name the adapter `<model_id>:<name>` with a model that allows adding "
+                f"adapters (allow_runtime_lora_updating): {sorted(e.model_id for e in allowed)}", param="lora_name")
+        try:
+            check_adapter_name(name)
+        except ServingError as exc:
+            raise ServingError.invalid_request(exc.message, param="lora_name") from None
+        if name == BASE_MODEL or name in parent.config.lora_adapters:
+            raise ServingError.invalid_request(f"lora_name {lora_name!r}: {parent.model_id}:{name} is configured at "
+                                               "start (adapter_name_or_path) and cannot be replaced",
+                                               param="lora_name")
+        return parent, name
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, request: Request) -> Response:
+        """Add adapter `body.lora_name` from `body.lora_path` (vLLM's `/v1/load_lora_adapter`):
+        checked now (it exists, it fits the base model), then loaded by each replica on its first
+        request for it. 200 with vLLM's text; 400 when the name is taken (unless `load_inplace`)
+        or the adapter does not fit; 404 when `lora_path` holds no adapter."""
+        parent, name = self._adapter_target(body.lora_name)
+        local = await asyncio.to_thread(locate_adapter, body.lora_path)
+        model_path = await asyncio.to_thread(resolve_model_path, parent.config.model_name_or_path) \
+            if is_local_path(parent.config.model_name_or_path) or is_embedded_model(parent.config.model_name_or_path) \
+            else None
+        if model_path is not None:
+            try:
+                await asyncio.to_thread(check_adapter_fits, model_path, str(local))
+            except ConfigError as exc:
+                raise ServingError.invalid_request(str(exc).replace("adapter_name_or_path: ", ""),
+                                                   param="lora_path") from None
+        if not await asyncio.to_thread(self.router.lora_registry.add, parent.model_id, name, body.lora_path,
+                                       body.load_inplace):
+            raise ServingError.invalid_request(f"The lora adapter '{parent.model_id}:{name}' has already been "
+                                               "loaded.", param="lora_name")
+        logger.info("LoRA adapter %s:%s added from %s", parent.model_id, name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{parent.model_id}:{name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+        """Remove an adapter added with `load_lora_adapter` (vLLM's `/v1/unload_lora_adapter`):
+        its ID answers 404 from then on (every replica within `LOOKUP_TTL_S`); replicas that
+        hold its weights unload them as their LRU needs room. 404 when it was not added."""
+        parent, name = self._adapter_target(body.lora_name)
+        if not await asyncio.to_thread(self.router.lora_registry.remove, parent.model_id, name):
+            raise ServingError(ErrorKind.NOT_FOUND, f"The lora adapter '{parent.model_id}:{name}' cannot be found.",
+                               param="lora_name")
+        logger.info("LoRA adapter %s:%s removed", parent.model_id, name)
+        return PlainTextResponse(f"Success: LoRA adapter '{parent.model_id}:{name}' removed successfully.")
+
+    async def _store_adapters(self, entry: ServedModel, fresh: bool = False) -> list[str]:
+        """The adapter names in `entry`'s `lora_modules_path` (`AdapterStore.available`), kept
+        for `STORE_LISTING_TTL_S` unless `fresh`; an unreadable store lists none (logged)."""
+        now = time.monotonic()
+        listed = self._store_listings.get(entry.model_id)
+        if fresh or listed is None or now - listed[0] > STORE_LISTING_TTL_S:
+            try:
+                names = await asyncio.to_thread(AdapterStore(entry.config.lora_modules_path).available)
+            except (OSError, ServingError) as exc:
+                logger.warning("lora_modules_path of %r could not be listed: %s", entry.model_id, exc)
+                names = []
+            listed = self._store_listings[entry.model_id] = (now, names)
+        return listed[1]
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         return await self.serving_chat.create_chat_completion(body, request)

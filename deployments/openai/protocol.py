@@ -832,12 +832,42 @@ class GenerationDefaults(BaseModel):
     repetition_penalty: float
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """`POST /v1/load_lora_adapter` (vLLM's `LoadLoRAAdapterRequest`): add adapter `lora_name`
+    (`<model_id>:<name>`, or `<name>` when one model allows it) from `lora_path` (a local
+    directory or an fsspec URI); `load_inplace` replaces an adapter of that name."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's `UnloadLoRAAdapterRequest`); vLLM's `lora_int_id`
+    is taken and not used (lmserve names adapters, each replica numbers its own)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+class LoraAdapterCard(BaseModel):
+    """lmserve's `lora` field of a `GET /v1/models` entry that is a LoRA adapter alone:
+    `source` is `configured` (`adapter_name_or_path`, loaded on every replica at start), `store`
+    (in `lora_modules_path`) or `runtime` (added with `POST /v1/load_lora_adapter`), the last two
+    loaded on the replica that serves them; `loaded_replicas`
+    how many replicas hold a store adapter now (0: none, it loads on its next request), None
+    where the answering ingress does not know (configured adapters; no request sent yet)."""
+
+    source: Literal["configured", "store", "runtime"]
+    loaded_replicas: int | None = None
+
+
 class ModelCard(Model):
     """An entry of `GET /v1/models`; `root` is the weights' path or hub ID (the adapter's for a
     LoRA adapter), `parent` the base model ID of an adapter (vLLM's fields). lmserve adds
     `input_modalities` (`["text"]`, or `["text", "image"]` where the model and its backend take
-    `image_url` parts) and `generation_defaults` (None for a reward model, which does not
-    generate), which the web chat starts from."""
+    `image_url` parts), `generation_defaults` (None for a reward model, which does not
+    generate), which the web chat starts from, and `lora` for an adapter (`LoraAdapterCard`)."""
 
     created: int = Field(default_factory=lambda: int(time.time()))
     object: Literal["model"] = "model"
@@ -846,6 +876,7 @@ class ModelCard(Model):
     parent: str | None = None
     input_modalities: list[Literal["text", "image"]] = Field(default_factory=lambda: ["text"])
     generation_defaults: GenerationDefaults | None = None
+    lora: LoraAdapterCard | None = None
     shutdown_date: str | None = Field(None, exclude=True)  # OpenAI's, for models it retires
 
 

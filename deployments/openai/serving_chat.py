@@ -135,7 +135,8 @@ class ChatServing(OpenAIServing):
         # OpenAI's `parallel_tool_calls: false`: one call at most (a forced call's grammar allows one)
         max_tool_calls = 1 if body.parallel_tool_calls is False else None
         in_thought = words is not None and entry.renderer.prompt_opens_thought(prompt_ids)
-        gen_request = GenerationRequest(request_id, prompt_ids, params, lora_name=entry.lora_name, media=media)
+        gen_request = GenerationRequest(request_id, prompt_ids, params, lora_name=entry.lora_name, media=media,
+                                        lora_path=entry.lora_path)
         return PreparedChat(body, entry, gen_request, request_id, arrival, int(time.time()), words, in_thought,
                             max_tool_calls)
 

@@ -90,7 +90,8 @@ class CompletionServing(OpenAIServing):
             logger.info("%s prompt=%r", request_id, body.prompt)
         params = entry.renderer.with_stop_token_ids(body.to_sampling_params())
         gen_requests = [GenerationRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", p.ids, params,
-                                          lora_name=entry.lora_name) for i, p in enumerate(prompts)]
+                                          lora_name=entry.lora_name, lora_path=entry.lora_path)
+                        for i, p in enumerate(prompts)]
         created = int(time.time())
         if body.stream:
             first, stream = await self._start_streams(entry, gen_requests, prompts, body.n, arrival)

@@ -61,6 +61,14 @@ class ReplicaClient:
         """The model's `ModelInfo` (context length), from one of its replicas."""
         return await self._handle.model_info.remote()
 
+    def adapter_replicas(self) -> dict[str, int] | None:
+        """How many of the model's replicas hold each LoRA adapter loaded at run time, as its
+        request router last saw them; None where that is not known (no request sent yet, or a
+        request router other than `PrefixAffinityRouter`)."""
+        from deployments.serve.request_router import adapter_replicas
+
+        return adapter_replicas(self._handle.app_name, self._handle.deployment_name)
+
     async def score(self, texts: list[str], max_length: int | None) -> list[float] | ServingError:
         """Reward scores from a replica; cancelling the caller cancels the call."""
         response = self._handle.score.remote(texts, max_length)
@@ -109,6 +117,10 @@ class InProcessClient:
 
     async def model_info(self) -> ModelInfo:
         return self.engine.model_info()
+
+    def adapter_replicas(self) -> dict[str, int] | None:
+        """The LoRA adapters loaded at run time in this replica's engine, each held by 1 replica."""
+        return dict.fromkeys(self.engine.loaded_adapters(), 1)
 
     async def score(self, texts: list[str], max_length: int | None) -> list[float] | ServingError:
         try:

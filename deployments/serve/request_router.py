@@ -39,6 +39,21 @@ from engines.block_hash import BLOCK_TOKENS, block_hashes
 
 logger = logging.getLogger("ray.serve")
 
+# For each (application, deployment) routed from this process: how many replicas report each LoRA
+# adapter loaded at run time, as its router last saw them (`update_replicas`). A deployment
+# handle's router lives in the process that calls it (the ingress), from its first request on.
+# Plain data: Ray pickles this module's globals with the router class.
+_ADAPTER_REPLICAS: dict[tuple[str, str], dict[str, int]] = {}
+
+
+def adapter_replicas(app_name: str, deployment_name: str) -> dict[str, int] | None:
+    """For each LoRA adapter loaded at run time, how many replicas of the deployment report it
+    (`ModelServer.record_routing_stats`, as this process's `PrefixAffinityRouter` last saw
+    them); None when this process has no such router for the deployment (yet: it is made on
+    the first request)."""
+    counts = _ADAPTER_REPLICAS.get((app_name, deployment_name))
+    return dict(counts) if counts is not None else None
+
 
 class PrefixAffinityIndex:
     """Which replica saw which prompt prefixes and sessions; no Ray in it.
@@ -221,6 +236,11 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = set(self._replica_id_set)
         super().update_replicas(replicas)
+        if (deployment := getattr(self, "_deployment_id", None)) is not None:
+            counts: Counter[str] = Counter()
+            for replica in replicas:
+                counts.update(set((getattr(replica, "routing_stats", None) or {}).get("lora_adapters", ())))
+            _ADAPTER_REPLICAS[deployment.app_name, deployment.name] = dict(counts)
         gone = before - self._replica_id_set
         self.index.remove(gone)
         for replica_id in gone:

@@ -28,7 +28,8 @@ from engines import engine_capabilities
 from engines.base import Capabilities, GenerationDelta, GenerationRequest, TokenLogprob, Usage
 from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ErrorKind, ServingError
-from engines.lora import check_adapter_name
+from deployments.serve.lora_registry import LoraRegistry
+from engines.adapter_store import check_adapter_name
 from engines.prompt.renderer import PromptRenderer
 
 logger = logging.getLogger("ray.serve")
@@ -68,6 +69,7 @@ class ServedModel:
 
     lora_name: str | None = None
     parent: str | None = None
+    lora_path: str | None = None  # an adapter added at run time (`POST /v1/load_lora_adapter`)
 
     def __init__(self, model_id: str, config: EngineConfig, client: ReplicaClient | InProcessClient):
         self.model_id = model_id
@@ -88,9 +90,18 @@ class ServedModel:
         return variants
 
     @property
+    def from_store(self) -> bool:
+        """Whether this ID is an adapter of the model's `lora_modules_path`."""
+        return self.lora_path is None and self.lora_name not in (None, BASE_MODEL, *self.config.lora_adapters)
+
+    @property
     def root(self) -> str:
-        """The weights this ID answers with: the adapter's path for an adapter alone, else the
-        model's (vLLM's `root`)."""
+        """The weights this ID answers with: the adapter's path for an adapter alone (in the
+        store for one of `lora_modules_path`), else the model's (vLLM's `root`)."""
+        if self.lora_path is not None:
+            return self.lora_path
+        if self.from_store:
+            return f"{self.config.lora_modules_path.rstrip('/')}/{self.lora_name}"
         return self.config.lora_adapters.get(self.lora_name or "", self.config.model_name_or_path)
 
 
@@ -190,13 +201,15 @@ class ModelRouter:
         self.max_requests = max_requests
         self._backpressure = backpressure_config or {}
         self.requests_in_flight = 0
+        self.lora_registry = LoraRegistry()  # adapters added at run time, for this replica's application
 
     def resolve(self, model: str | None) -> ServedModel:
         """The entry of `model`; None names the only configured model when there is one.
 
-        `<model_id>:<name>` of a model with `lora_modules_path` names adapter `<name>` of its
-        store, which the model's replica loads when it serves the request (it answers 404 when
-        the store has no such adapter).
+        `<model_id>:<name>` of a model with `allow_runtime_lora_updating` names the adapter added
+        as `<name>` (`lora_registry`), if any; else, with `lora_modules_path`, adapter `<name>`
+        of its store, which the model's replica loads when it serves the request (it answers 404
+        when the store has no such adapter).
 
         Raises:
             ServingError: INVALID_REQUEST (`model` missing with several models, a bad adapter
@@ -210,11 +223,15 @@ class ModelRouter:
         if entry is None:
             parent_id, _, name = model.rpartition(":")
             parent = self.models.get(parent_id)
-            if parent is None or parent.parent is not None or parent.config.lora_modules_path is None:
+            if parent is None or parent.parent is not None or not parent.config.loads_adapters_at_run_time:
                 raise ServingError.model_not_found(model, list(self.models))
             check_adapter_name(name)
+            path = (self.lora_registry.lookup(parent_id, name) if parent.config.allow_runtime_lora_updating
+                    else None)
+            if path is None and parent.config.lora_modules_path is None:
+                raise ServingError.model_not_found(model, list(self.models))
             entry = copy.copy(parent)
-            entry.model_id, entry.lora_name, entry.parent = model, name, parent_id
+            entry.model_id, entry.lora_name, entry.parent, entry.lora_path = model, name, parent_id, path
         return entry
 
     def drain(self, stop_at: float, retry_after_s: float = constants.RETRY_AFTER_S) -> None:

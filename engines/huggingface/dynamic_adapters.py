@@ -1,14 +1,14 @@
-"""LoRA adapters loaded at run time from a directory (`lora_modules_path`), at most
-`max_loras_per_replica` at once, the least recently used unloaded first: vLLM's
-`--lora-modules` resolved on demand with `max_loras`, Ray Serve LLM's
+"""LoRA adapters loaded at run time from a store (`lora_modules_path`, a local directory or a
+remote one: `engines.adapter_store`), at most `max_loras_per_replica` at once, the least recently
+used unloaded first: vLLM's `--lora-modules` resolved on demand with `max_loras`, Ray Serve LLM's
 `dynamic_lora_loading_path` with `max_num_adapters_per_replica`.
 
 `DynamicAdapters` keeps the bookkeeping on the engine's event loop: which adapters are loaded
 (name -> the peft adapter name their rows use), how many running requests use each, and one
 load at a time per adapter (requests for an adapter being loaded wait for that load, not for
-each other). The model change itself (peft's `load_adapter` / `delete_adapter`) is the
-caller's `swap`, which the huggingface engine runs on the batcher's worker thread between two
-steps, so no forward pass sees a half-loaded adapter.
+each other; a remote adapter is downloaded within its load). The model change itself (peft's
+`load_adapter` / `delete_adapter`) is the caller's `swap`, which the huggingface engine runs on
+the batcher's worker thread between two steps, so no forward pass sees a half-loaded adapter.
 
 Each load gets a new peft name (`dyn<k>_<name>`): the prefix cache keys KV by it, so an adapter
 that is unloaded and loaded again, maybe with other weights, never meets its old cached KV.
@@ -21,15 +21,18 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from engines.adapter_store import AdapterStore, adapter_key, check_adapter_name, locate_adapter
 from engines.config import ConfigError
 from engines.errors import ErrorKind, ModelLoadError, ServingError
-from engines.lora import ADAPTER_NAME, check_adapter_name
+
 
 class DynamicAdapters:
     """Adapters of `store` loaded on demand, bounded to `max_loaded`.
 
     Args:
-        store: the directory holding one adapter per subdirectory.
+        store: the store holding one adapter per subdirectory; a path or URI is made an
+            `AdapterStore` with its defaults (a remote one downloads into `$LMSERVE_HOME/lora-cache`);
+            None: none, only adapters added at run time (`acquire(name, path)`).
         max_loaded: adapters loaded at once.
         check: `check(path)` raises `ConfigError` or `ModelLoadError` when the adapter at `path`
             does not fit the base model; run in a worker thread.
@@ -40,15 +43,16 @@ class DynamicAdapters:
             use (as vLLM's scheduler keeps a request waiting for a LoRA slot), before OVERLOADED.
     """
 
-    def __init__(self, store: str | Path, max_loaded: int, check: Callable[[Path], None],
+    def __init__(self, store: AdapterStore | str | Path | None, max_loaded: int, check: Callable[[Path], None],
                  swap: Callable[[str | None, Path, str], Awaitable[None]], wait_s: float = 60.0):
-        self.store = Path(store)
+        self.store = store if isinstance(store, AdapterStore) or store is None else AdapterStore(str(store))
         self.max_loaded = max_loaded
         self.wait_s = wait_s
         self._idle_waiters: list[asyncio.Future] = []  # loads waiting for an adapter to fall idle
         self._check = check
         self._swap = swap
-        self.loaded: OrderedDict[str, str] = OrderedDict()  # name -> peft name, least recently used first
+        # adapter_key -> peft name, least recently used first
+        self.loaded: OrderedDict[str, str] = OrderedDict()
         self.in_use: Counter[str] = Counter()
         self._loading: dict[str, asyncio.Future] = {}
         self._loads = 0
@@ -59,78 +63,79 @@ class DynamicAdapters:
         self.load_seconds = 0.0  # time spent checking and loading, over every load
 
     def path(self, name: str) -> Path:
-        """The adapter's directory in the store.
+        """A local directory holding adapter `name` (`AdapterStore.local_path`). Blocking: a
+        remote store's adapter is downloaded on first use; run it in a worker thread.
 
         Raises:
             ServingError: INVALID_REQUEST for a bad name, NOT_FOUND when the store has no
-                adapter of that name (no `adapter_config.json`).
+                adapter of that name (no `adapter_config.json`), UNAVAILABLE when a remote store
+                cannot be read.
         """
-        check_adapter_name(name)
-        path = self.store / name
-        if not (path / "adapter_config.json").is_file():
-            raise ServingError(ErrorKind.NOT_FOUND, f"LoRA adapter {name!r} is not in lora_modules_path "
-                               f"({self.store}): no {name}/adapter_config.json there", param="model")
-        return path
+        if self.store is None:
+            raise ServingError(ErrorKind.NOT_FOUND, f"LoRA adapter {name!r} is not loaded and this model has no "
+                               "lora_modules_path", param="model")
+        return self.store.local_path(name)
 
     def available(self) -> list[str]:
-        """The names of the adapters in the store, sorted."""
-        if not self.store.is_dir():
-            return []
-        return sorted(p.name for p in self.store.iterdir()
-                      if ADAPTER_NAME.fullmatch(p.name) and (p / "adapter_config.json").is_file())
+        """The names of the adapters in the store, sorted. Blocking for a remote store."""
+        return self.store.available() if self.store is not None else []
 
-    async def acquire(self, name: str) -> str:
-        """The peft adapter name of `name`, loaded if it is not; the caller must `release(name)`
-        once its request ends.
+    async def acquire(self, name: str, path: str | None = None) -> str:
+        """The peft adapter name of `name`, loaded if it is not; the caller must
+        `release(adapter_key(name, path))` once its request ends. `path`: the adapter's place
+        for one added at run time (`locate_adapter`), else it is the store's.
 
         Raises:
             ServingError: INVALID_REQUEST (bad name, or an adapter that does not fit the base
-                model), NOT_FOUND (not in the store), OVERLOADED (`max_loaded` adapters loaded and
-                every one in use for `wait_s`).
+                model), NOT_FOUND (not in the store), UNAVAILABLE (a remote store that cannot be
+                read), OVERLOADED (`max_loaded` adapters loaded and every one in use for `wait_s`).
         """
+        check_adapter_name(name)
+        key = adapter_key(name, path)
         waited = False
         while True:
-            if name in self.loaded:
-                self.loaded.move_to_end(name)
-                self.in_use[name] += 1
+            if key in self.loaded:
+                self.loaded.move_to_end(key)
+                self.in_use[key] += 1
                 self.hits += 1 if not waited else 0
-                return self.loaded[name]
-            pending = self._loading.get(name)
+                return self.loaded[key]
+            pending = self._loading.get(key)
             if pending is None:
                 break
             waited = True
             self.hits += 1
             await asyncio.shield(pending)  # then look again: the load may have failed
-        path = self.path(name)
         loop = asyncio.get_running_loop()
-        done, started = loop.create_future(), loop.time()
-        self._loading[name] = done
+        done = loop.create_future()
+        self._loading[key] = done
         try:
-            await self._wait_for_room(name, loop.time() + self.wait_s)
+            local = await asyncio.to_thread(locate_adapter, path) if path else await asyncio.to_thread(self.path, name)
+            started = loop.time()  # `load_seconds` counts checking and loading, not the download
+            await self._wait_for_room(key, started + self.wait_s)
             try:
-                await asyncio.to_thread(self._check, path)
+                await asyncio.to_thread(self._check, local)
                 # chosen again, with no await before it leaves `loaded`: while the check ran, the
                 # one chosen before may have been taken, or unloaded by a concurrent load
-                evict = self._victim(name)
+                evict = self._victim(key)
                 self._loads += 1
                 peft_name = f"dyn{self._loads}_{name.replace('.', '_')}"
                 evicted_peft = self.loaded.pop(evict) if evict is not None else None
-                await self._swap(evicted_peft, path, peft_name)
+                await self._swap(evicted_peft, local, peft_name)
             except (ConfigError, ModelLoadError) as exc:
                 raise ServingError(ErrorKind.INVALID_REQUEST, f"LoRA adapter {name!r}: {exc}", param="model") from None
             if evict is not None:
                 self.evictions += 1
             self.loads += 1
             self.load_seconds += loop.time() - started
-            self.loaded[name] = peft_name
-            self.in_use[name] += 1
+            self.loaded[key] = peft_name
+            self.in_use[key] += 1
             return peft_name
         finally:
-            del self._loading[name]
+            del self._loading[key]
             done.set_result(None)
 
     def release(self, name: str) -> None:
-        """One request that `acquire`d `name` ended."""
+        """One request that `acquire`d the adapter keyed `name` (`adapter_key`) ended."""
         self.in_use[name] -= 1
         if self.in_use[name] <= 0:
             del self.in_use[name]

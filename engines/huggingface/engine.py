@@ -33,6 +33,7 @@ from engines.base import (
 from engines.config import BASE_MODEL, EngineConfig
 from engines.device import pick_dtype
 from engines.huggingface.adapters import ALL_ADAPTERS, PEFT_BASE, check_peft_adapter_fits, combine_adapters
+from engines.adapter_store import adapter_key, adapter_names
 from engines.huggingface.dynamic_adapters import DynamicAdapters
 from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
 from engines.errors import ModelLoadError, ServingError
@@ -149,9 +150,14 @@ class HuggingFaceEngine(Engine):
                                           prefix_cache_tokens=self._prefix_cache_tokens())
         self._batcher.start()
         if self.config.lora_modules_path is not None:
-            self._dynamic_adapters = DynamicAdapters(
-                self.config.lora_modules_path, self.config.max_loras_per_replica,
-                check=lambda path: check_adapter_fits(self.model_path, str(path)), swap=self._swap_adapter)
+            self._dynamic_adapters = self._new_dynamic_adapters()
+
+    def _new_dynamic_adapters(self) -> DynamicAdapters:
+        """The adapters this engine loads at run time: from `lora_modules_path`, or added with
+        `POST /v1/load_lora_adapter` (`GenerationRequest.lora_path`)."""
+        return DynamicAdapters(self.config.lora_modules_path, self.config.max_loras_per_replica,
+                               check=lambda path: check_adapter_fits(self.model_path, str(path)),
+                               swap=self._swap_adapter)
 
     def _prefix_cache_tokens(self) -> int:
         """`hf_prefix_cache_tokens`, with -1 sized to the device: the tokens whose KV (every
@@ -395,9 +401,11 @@ class HuggingFaceEngine(Engine):
             raise ServingError.not_supported("this is an embedding model (task: embed): it does not generate",
                                              param="model")
         await self.check_health()
-        dynamic = (self._dynamic_adapters is not None and request.lora_name is not None
-                   and request.lora_name not in self._peft_names)
-        peft_name = (await self._dynamic_adapters.acquire(request.lora_name) if dynamic
+        dynamic = request.lora_name is not None and request.lora_name not in self._peft_names and (
+            self._dynamic_adapters is not None or request.lora_path is not None)
+        if dynamic and self._dynamic_adapters is None:  # the first adapter added at run time
+            self._dynamic_adapters = self._new_dynamic_adapters()
+        peft_name = (await self._dynamic_adapters.acquire(request.lora_name, request.lora_path) if dynamic
                      else self._peft_names.get(request.lora_name))
         stream = self._generate(request, peft_name)
         try:
@@ -408,7 +416,7 @@ class HuggingFaceEngine(Engine):
                 await stream.aclose()  # now, not when collected: it takes the request out of the batch
             finally:
                 if dynamic:
-                    self._dynamic_adapters.release(request.lora_name)
+                    self._dynamic_adapters.release(adapter_key(request.lora_name, request.lora_path))
 
     async def _generate(self, request: GenerationRequest, peft_name: str | None) -> AsyncIterator[GenerationDelta]:
         """`generate` once the request's adapter is known: `peft_name` is its rows' peft adapter."""
@@ -468,7 +476,7 @@ class HuggingFaceEngine(Engine):
             self._batcher.cancel(batch_request)
 
     def loaded_adapters(self) -> list[str]:
-        return list(self._dynamic_adapters.loaded) if self._dynamic_adapters is not None else []
+        return adapter_names(self._dynamic_adapters.loaded) if self._dynamic_adapters is not None else []
 
     async def _swap_adapter(self, evict: str | None, path: Path, peft_name: str) -> None:
         """`DynamicAdapters`' swap: on the batcher's thread, between two steps."""
