@@ -249,7 +249,7 @@ def test_an_adapter_added_again_from_another_path_is_loaded_again(tmp_path):
     """Engines key an added adapter by name and path: the weights loaded for the first path are
     never served for the second."""
     from engines.adapter_store import adapter_key, adapter_names
-    from engines.huggingface.dynamic_adapters import DynamicAdapters
+    from engines.dynamic_adapters import DynamicAdapters
 
     first, second = write_adapter(tmp_path / "v1"), write_adapter(tmp_path / "v2")
     swaps = []

@@ -18,7 +18,7 @@ from engines.adapter_store import AdapterStore
 from engines.base import GenerationRequest, SamplingParams
 from engines.config import ConfigError, EngineConfig
 from engines.errors import ModelLoadError, ServingError
-from engines.huggingface.dynamic_adapters import DynamicAdapters
+from engines.dynamic_adapters import DynamicAdapters
 from fake_engine import FakeEngine, serve_fake
 
 

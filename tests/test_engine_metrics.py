@@ -317,7 +317,7 @@ def test_the_vllm_series_on_the_dashboard_are_vllms_own():
 def test_the_huggingface_engine_exports_its_run_time_adapters(recorded):
     """Issue 37: adapters loaded from lora_modules_path: loads, evictions, hits, load time and
     the number loaded, exported even with the prefix cache off."""
-    from engines.huggingface.dynamic_adapters import DynamicAdapters
+    from engines.dynamic_adapters import DynamicAdapters
     from engines.huggingface.engine import HuggingFaceEngine
 
     engine = HuggingFaceEngine(EngineConfig())

@@ -34,7 +34,7 @@ from engines.config import BASE_MODEL, EngineConfig
 from engines.device import pick_dtype
 from engines.huggingface.adapters import ALL_ADAPTERS, PEFT_BASE, check_peft_adapter_fits, combine_adapters
 from engines.adapter_store import adapter_key, adapter_names
-from engines.huggingface.dynamic_adapters import DynamicAdapters
+from engines.dynamic_adapters import DynamicAdapters
 from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
 from engines.errors import ModelLoadError, ServingError
 from engines.metrics import MetricsExporter, MetricSpec
