@@ -442,6 +442,16 @@ def locate_adapter(path: str) -> Path:
     return AdapterStore(parent).local_path(name)
 
 
+def adapter_rank(path: Path | str) -> int:
+    """A peft LoRA adapter's rank: `r` of its `adapter_config.json`, the largest of its
+    `rank_pattern` where it has one; 0 where the file is missing or unreadable."""
+    try:
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+        return max([int(config.get("r") or 0), *map(int, (config.get("rank_pattern") or {}).values())])
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
 def adapter_key(name: str, path: str | None = None) -> str:
     """How engines key a loaded adapter: its name for one of `lora_modules_path`, `name@path`
     for one added at run time (`path`: its `lora_path`), so that a name added again with another

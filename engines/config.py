@@ -193,6 +193,10 @@ class SglangArgs(BackendArgs):
     lora_backend: Literal["triton", "csgmv", "triton_v2", "torch_native", "ascend", "flashinfer"] = Field(
         "triton", description="SGLang `--lora-backend` for LoRA adapters (LLaMA-Factory's `flashinfer` is "
         "gone from SGLang 0.5.23, which refuses it).")
+    max_lora_rank: int = Field(
+        32, gt=0, description="SGLang `--max-lora-rank` where adapters are loaded at run time (`lora_modules_path`, "
+        "`allow_runtime_lora_updating`): the largest LoRA rank such an adapter may have; raised at start to the "
+        "largest rank among `adapter_name_or_path` and a local `lora_modules_path`.")
     # lmserve: how the SGLang server child process is started and supervised.
     launch_command: list[str] | None = Field(
         None, description="Command that starts the server, before the flags lmserve derives from this "
@@ -269,13 +273,14 @@ class EngineConfig(BaseModel):
         "weights): `<model_id>:<name>` loads `<dir>/<name>` on the replica that serves it, on first use and without "
         "a restart, checked against the base model (vLLM's `--lora-modules` resolved at run time, Ray Serve LLM's "
         "`dynamic_lora_loading_path`). A local or shared directory, or an fsspec URI (`s3://`, `gs://`, ...: each "
-        "adapter is downloaded once into `$LMSERVE_HOME/lora-cache`). Built on the huggingface and vllm backends.")
+        "adapter is downloaded once into `$LMSERVE_HOME/lora-cache`). Built on the huggingface, vllm and sglang "
+        "backends (sglang on GPUs only: SGLang's CPU server cannot run LoRA).")
     allow_runtime_lora_updating: bool = Field(
         False, description="Serve vLLM's admin routes for this model: `POST /v1/load_lora_adapter` (`lora_name`, "
         "`lora_path`: a local directory or an fsspec URI) adds `<model_id>:<lora_name>`, which every replica loads on "
         "its first request for it, and `POST /v1/unload_lora_adapter` removes it (vLLM's "
-        "`VLLM_ALLOW_RUNTIME_LORA_UPDATING`). Off by default; the routes take the API key. Built on the huggingface "
-        "and vllm backends.")
+        "`VLLM_ALLOW_RUNTIME_LORA_UPDATING`). Off by default; the routes take the API key. Built on the huggingface, "
+        "vllm and sglang backends (sglang on GPUs only: SGLang's CPU server cannot run LoRA).")
     max_loras_per_replica: int = Field(
         16, ge=1, description="Most adapters from `lora_modules_path` loaded on a replica at once (Ray Serve LLM's "
         "`max_num_adapters_per_replica` default); loading one more "
@@ -437,10 +442,10 @@ class EngineConfig(BaseModel):
                              ("allow_runtime_lora_updating", self.allow_runtime_lora_updating or None)):
             if value is None:
                 continue
-            if self.infer_backend not in ("huggingface", "vllm"):
-                raise ValueError(f"{field}: loading adapters at run time is built on the huggingface and vllm "
-                                 f"backends, not yet on {self.infer_backend!r}; list the adapters in "
-                                 "adapter_name_or_path")
+            if self.infer_backend not in ("huggingface", "vllm", "sglang"):
+                raise ValueError(f"{field}: loading adapters at run time is built on the huggingface, vllm and "
+                                 f"sglang backends, not on {self.infer_backend!r}, which serves no LoRA adapters "
+                                 "(use infer_backend: sglang)")
             if self.is_reward_model or self.serves_embeddings or self.quantization_bit is not None:
                 raise ValueError(f"{field}: adapters loaded at run time are served on generating models that "
                                  "are not quantized on the fly")

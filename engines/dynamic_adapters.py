@@ -61,6 +61,7 @@ class DynamicAdapters:
         self.evictions = 0  # adapters unloaded to make room
         self.hits = 0  # requests whose adapter was loaded already (or being loaded for another)
         self.load_seconds = 0.0  # time spent checking and loading, over every load
+        self.load_durations: list[float] = []  # each load's, until the engine's metrics export takes them
 
     def path(self, name: str) -> Path:
         """A local directory holding adapter `name` (`AdapterStore.local_path`). Blocking: a
@@ -127,6 +128,8 @@ class DynamicAdapters:
                 self.evictions += 1
             self.loads += 1
             self.load_seconds += loop.time() - started
+            if len(self.load_durations) < 10_000:  # no export running: keep it bounded
+                self.load_durations.append(loop.time() - started)
             self.loaded[key] = peft_name
             self.in_use[key] += 1
             return peft_name

@@ -29,9 +29,11 @@ class MetricSpec:
 
 
 class MetricsExporter(Protocol):
-    """Where an engine's metrics go: a namespace with `Gauge` and `Counter` classes shaped as
-    `ray.util.metrics`' (`Gauge(name, description, tag_keys).set(value, tags)`,
-    `Counter(name, description, tag_keys).inc(value, tags)`); `ray.util.metrics` itself is one."""
+    """Where an engine's metrics go: a namespace with `Gauge`, `Counter` and `Histogram` classes
+    shaped as `ray.util.metrics`' (`Gauge(name, description, tag_keys).set(value, tags)`,
+    `Counter(name, description, tag_keys).inc(value, tags)`, `Histogram(name, description,
+    boundaries, tag_keys).observe(value, tags)`); `ray.util.metrics` itself is one."""
 
     Gauge: Any
     Counter: Any
+    Histogram: Any

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 from collections import OrderedDict
@@ -40,7 +39,7 @@ from engines.base import (
 )
 from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.errors import ErrorKind, ModelLoadError, ServingError
-from engines.adapter_store import adapter_key, adapter_names, locate_adapter
+from engines.adapter_store import adapter_key, adapter_names, adapter_rank, locate_adapter
 from engines.lora import check_adapter_fits, check_adapters_fit
 from engines.model_source import model_max_len, resolve_model_path
 from engines.output import ChoiceOutput
@@ -148,16 +147,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def vllm_lora_rank(rank: int) -> int:
     """The smallest rank of `VLLM_LORA_RANKS` at least `rank` (the largest one above them all)."""
     return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
-
-
-def adapter_rank(path: Path | str) -> int:
-    """A peft LoRA adapter's rank: `r` of its `adapter_config.json`, the largest of its
-    `rank_pattern` where it has one; 0 where the file is missing or unreadable."""
-    try:
-        config = json.loads((Path(path) / "adapter_config.json").read_text())
-        return max([int(config.get("r") or 0), *map(int, (config.get("rank_pattern") or {}).values())])
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0
 
 
 def cpu_kv_cache_bytes(config: EngineConfig, model_path: Path, max_len: int, dtype: str) -> int:

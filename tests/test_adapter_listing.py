@@ -89,12 +89,15 @@ def test_vllm_arguments_make_room_for_the_adapters_of_the_store(tmp_path):
     assert adapter_rank(adapter) == 24 and adapter_rank(tmp_path / "none") == 0
 
 
-def test_lora_modules_path_is_built_on_huggingface_and_vllm_only(tmp_path):
-    for backend in ("huggingface", "vllm"):
+def test_adapters_at_run_time_are_refused_on_ktransformers(tmp_path):
+    for backend in ("huggingface", "vllm", "sglang"):
         assert EngineConfig(infer_backend=backend, lora_modules_path=str(tmp_path)).lora_modules_path
-    for backend in ("sglang", "ktransformers"):
-        with pytest.raises(ValueError, match=f"not yet on '{backend}'"):
-            EngineConfig(infer_backend=backend, lora_modules_path=str(tmp_path))
+        assert EngineConfig(infer_backend=backend, allow_runtime_lora_updating=True).loads_adapters_at_run_time
+    for fields in ({"lora_modules_path": str(tmp_path)}, {"allow_runtime_lora_updating": True}):
+        with pytest.raises(ValueError, match="not on 'ktransformers', which serves no LoRA adapters"):
+            EngineConfig(infer_backend="ktransformers", **fields)
+    with pytest.raises(ValueError, match="allow_runtime_lora_updating: adapters loaded at run time are served on"):
+        EngineConfig(allow_runtime_lora_updating=True, task="embed")
 
 
 class FakeAsyncLLM:
@@ -274,3 +277,37 @@ def test_an_adapter_added_again_from_another_path_is_loaded_again(tmp_path):
     assert one != two == same and [s[1] for s in swaps] == [first, second]
     assert error.kind == "not_found" and "no lora_modules_path" in error.message
     assert adapter_names(adapters.loaded) == ["cust"] and not adapters.in_use
+
+
+def test_metrics_label_an_adapter_by_its_id_only_once_it_answered(tiny_model_dir, tmp_path, monkeypatch):
+    """Adapter names come from requests: until one has answered, its series are `<model>:other`,
+    so made-up names cannot grow the number of series; once it answered, its own ID."""
+    from deployments.metrics import IngressMetrics
+
+    write_adapter(tmp_path / "store" / "alpha")
+    engine = FakeEngine(config=EngineConfig(model_name_or_path="fake", lora_modules_path=str(tmp_path / "store")))
+    labels, errors = [], []
+    track, count_error = IngressMetrics.track, IngressMetrics.count_error
+    monkeypatch.setattr(IngressMetrics, "track", lambda self, model_id, *a, **k: (
+        labels.append(model_id), track(self, model_id, *a, **k))[1])
+    monkeypatch.setattr(IngressMetrics, "count_error", lambda self, status, model_id="", backend="": (
+        errors.append((status, model_id)), count_error(self, status, model_id, backend))[1])
+    real_generate = engine.generate
+
+    async def generate(request):  # the engine's NOT_FOUND for a name its store lacks
+        if request.lora_name == "missing":
+            raise ServingError("not_found", "LoRA adapter 'missing' is not in lora_modules_path", param="model")
+        async for delta in real_generate(request):
+            yield delta
+
+    engine.generate = generate
+
+    async def main():
+        async with serve_fake(engine, tiny_model_dir, config={"lora_modules_path": str(tmp_path / "store")}) as http:
+            for model in ("fake:alpha", "fake:alpha", "fake:missing", "fake:missing", "fake"):
+                await http.post("/v1/chat/completions", json={
+                    "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+    asyncio.run(main())
+    assert labels == ["fake:other", "fake:alpha", "fake:other", "fake:other", "fake"]
+    assert errors == [(404, "fake:other"), (404, "fake:other")]

@@ -16,7 +16,7 @@ import pytest
 from conftest import collect, run, started_engine, text_of
 from engines.adapter_store import AdapterStore
 from engines.base import GenerationRequest, SamplingParams
-from engines.config import ConfigError, EngineConfig
+from engines.config import BASE_MODEL, ConfigError, EngineConfig
 from engines.errors import ModelLoadError, ServingError
 from engines.dynamic_adapters import DynamicAdapters
 from fake_engine import FakeEngine, serve_fake
@@ -192,10 +192,12 @@ def test_adapters_of_a_remote_store_are_downloaded_off_the_event_loop_once_and_s
     assert (missing.kind, missing.param) == ("not_found", "model") and f"memory:/{root}" in missing.message
 
 
-def test_the_store_is_local_or_an_fsspec_uri_on_the_huggingface_and_vllm_backends():
+def test_the_store_is_local_or_an_fsspec_uri_on_the_huggingface_vllm_and_sglang_backends():
     assert EngineConfig(lora_modules_path="/srv/adapters").max_loras_per_replica == 16
     assert EngineConfig(lora_modules_path="memory://adapters").lora_modules_path == "memory://adapters"
-    for fields, message in (({"infer_backend": "sglang"}, "not yet on 'sglang'"),
+    assert EngineConfig(infer_backend="sglang", lora_modules_path="/srv/adapters").loads_adapters_at_run_time
+    kt = {"kt_weight_path": "/experts", "kt_method": "AMXINT4", "kt_cpuinfer": 2, "kt_num_gpu_experts": 0}
+    for fields, message in (({"infer_backend": "ktransformers", **kt}, "not on 'ktransformers'"),
                             ({"lora_modules_path": "nosuchfs://bucket/adapters"}, "'nosuchfs' is not one fsspec knows"),
                             ({"max_loras_per_replica": 0}, "max_loras_per_replica")):
         with pytest.raises(ValueError, match=message):
@@ -250,6 +252,7 @@ def test_adapters_copied_into_the_store_answer_as_configured_ones(model_dir, lor
                         max_loras_per_replica=1) as engine:
         base = answer(engine)
         assert base != tuned
+        assert answer(engine, BASE_MODEL) == base  # `<model_id>:base` is the base model, not a store adapter
         assert answer(engine, "first") == tuned
         assert answer(engine, "second") == tuned  # "first" unloaded to make room
         assert list(engine._dynamic_adapters.loaded) == ["second"] and engine._dynamic_adapters.evictions == 1

@@ -74,11 +74,23 @@ class Recorded:
         self.values[key] = self.values.get(key, 0.0) + value
 
 
+class RecordedHistogram(Recorded):
+    """Stands in for `ray.util.metrics.Histogram`: keeps each observed value, by tags."""
+
+    def __init__(self, name, description="", boundaries=(), tag_keys=()):
+        assert list(boundaries) == sorted(boundaries) and boundaries
+        super().__init__(name, description, tag_keys)
+
+    def observe(self, value, tags):
+        self.values.setdefault(self._key(tags), []).append(value)
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     Recorded.made = {}
     monkeypatch.setattr(ray_metrics, "Gauge", Recorded)
     monkeypatch.setattr(ray_metrics, "Counter", Recorded)
+    monkeypatch.setattr(ray_metrics, "Histogram", RecordedHistogram)
     return Recorded.made
 
 
@@ -289,8 +301,9 @@ def test_dashboard_queries_only_engine_series_that_are_exported():
     assert {n for n in names if n.startswith("ray_vllm_")} <= set(VLLM_PANEL_METRICS)
     from engines.huggingface.engine import HF_ADAPTER_METRICS, HF_METRICS
 
-    assert {n for n in names if n.startswith("ray_hf_")} <= {spec.prometheus_name
-                                                             for spec in HF_METRICS + HF_ADAPTER_METRICS}
+    assert {n for n in names if n.startswith("ray_hf_")} <= {
+        spec.prometheus_name + suffix for spec in HF_METRICS + HF_ADAPTER_METRICS
+        for suffix in ("", *(("_bucket", "_sum", "_count") if spec.kind == "histogram" else ()))}
     assert {"ray_hf_lora_adapter_loads_total", "ray_hf_lora_adapter_hits_total"} <= names
 
 
@@ -331,6 +344,7 @@ def test_the_huggingface_engine_exports_its_run_time_adapters(recorded):
     async def scenario():
         task = asyncio.create_task(engine.export_metrics("m", ray_metrics, interval_s=0.01))
         adapters.loads, adapters.evictions, adapters.hits, adapters.load_seconds = 3, 1, 7, 0.25
+        adapters.load_durations = [0.1, 0.1, 0.05]
         adapters.loaded.update(a="dyn2_a", b="dyn3_b")
         await asyncio.sleep(0.05)
         engine._dynamic_adapters = None
@@ -343,4 +357,5 @@ def test_the_huggingface_engine_exports_its_run_time_adapters(recorded):
                                                           "hf_lora_adapters_loaded")} == {
         "hf_lora_adapter_loads": 3, "hf_lora_adapter_evictions": 1, "hf_lora_adapter_hits": 7,
         "hf_lora_adapter_load_seconds": 0.25, "hf_lora_adapters_loaded": 2}
+    assert recorded["hf_lora_adapter_load_duration_seconds"].values[key] == [0.1, 0.1, 0.05]  # each load once
     assert "hf_prefix_cache_queries" not in recorded or key not in recorded["hf_prefix_cache_queries"].values

@@ -70,6 +70,13 @@ class ServedModel:
     lora_name: str | None = None
     parent: str | None = None
     lora_path: str | None = None  # an adapter added at run time (`POST /v1/load_lora_adapter`)
+    # the `model_id` label of its metrics: its ID, but `<model_id>:other` for an adapter loaded at
+    # run time that has not answered yet (`ModelRouter.resolve`): names come from requests
+    metric_id: str | None = None
+
+    @property
+    def metric_label(self) -> str:
+        return self.metric_id or self.model_id
 
     def __init__(self, model_id: str, config: EngineConfig, client: ReplicaClient | InProcessClient):
         self.model_id = model_id
@@ -107,7 +114,7 @@ class ServedModel:
 
 def label_request(request: Request, entry: ServedModel) -> None:
     """An error answered for this request from now on is counted under this model."""
-    request.state.metric_labels = (entry.model_id, entry.config.infer_backend)
+    request.state.metric_labels = (entry.metric_label, entry.config.infer_backend)
 
 
 def check_route(entry: ServedModel, scoring: bool, embedding: bool = False) -> None:
@@ -202,6 +209,9 @@ class ModelRouter:
         self._backpressure = backpressure_config or {}
         self.requests_in_flight = 0
         self.lora_registry = LoraRegistry()  # adapters added at run time, for this replica's application
+        # IDs of adapters loaded at run time that have answered here: their metrics get their own
+        # `model_id` label; bounded by the adapters that exist, as a name must answer to get in
+        self.answered_adapters: set[str] = set()
 
     def resolve(self, model: str | None) -> ServedModel:
         """The entry of `model`; None names the only configured model when there is one.
@@ -232,6 +242,7 @@ class ModelRouter:
                 raise ServingError.model_not_found(model, list(self.models))
             entry = copy.copy(parent)
             entry.model_id, entry.lora_name, entry.parent, entry.lora_path = model, name, parent_id, path
+            entry.metric_id = model if model in self.answered_adapters else f"{parent_id}:other"
         return entry
 
     def drain(self, stop_at: float, retry_after_s: float = constants.RETRY_AFTER_S) -> None:
@@ -274,7 +285,7 @@ class ModelRouter:
                                           "requests running or waiting on this replica)",
                                           constants.RETRY_AFTER_S if retry_after is None else retry_after,
                                           self._backpressure.get("status_code"))
-        tracker = self.metrics.track(entry.model_id, entry.config.infer_backend, n=gen_request.sampling_params.n,
+        tracker = self.metrics.track(entry.metric_label, entry.config.infer_backend, n=gen_request.sampling_params.n,
                                      prompt_tokens=len(gen_request.prompt_token_ids), arrival=arrival)
         outcome = "failed"
         response = entry.client.generate(gen_request)
@@ -307,6 +318,8 @@ class ModelRouter:
                 if isinstance(item, ServingError):
                     raise item
                 waiting = waiting and not item
+                if item and entry.metric_id is not None:  # the adapter answered: from now on its own label
+                    self.answered_adapters.add(entry.model_id)
                 for delta in item:
                     tracker.on_delta(delta)
                     yield delta

@@ -64,6 +64,9 @@ HF_ADAPTER_METRICS = (
     MetricSpec("hf_lora_adapter_load_seconds", "counter", "seconds",
                "Time spent checking and loading adapters; over hf_lora_adapter_loads, the mean load time."),
     MetricSpec("hf_lora_adapters_loaded", "gauge", "adapters", "LoRA adapters of lora_modules_path loaded now."),
+    MetricSpec("hf_lora_adapter_load_duration_seconds", "histogram", "seconds",
+               "Time to check and load one adapter loaded at run time (its download not included).",
+               buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)),
 )
 #: Seconds between two exports of the counters.
 METRICS_INTERVAL_S = 5.0
@@ -149,7 +152,7 @@ class HuggingFaceEngine(Engine):
                                           chunked_prefill_size=self.config.hf.chunked_prefill_size,
                                           prefix_cache_tokens=self._prefix_cache_tokens())
         self._batcher.start()
-        if self.config.lora_modules_path is not None:
+        if self.config.loads_adapters_at_run_time:
             self._dynamic_adapters = self._new_dynamic_adapters()
 
     def _new_dynamic_adapters(self) -> DynamicAdapters:
@@ -327,7 +330,8 @@ class HuggingFaceEngine(Engine):
         and `HF_ADAPTER_METRICS`' (adapters loaded at run time) every `interval_s`, labelled
         `model_id` and `backend`, until cancelled; returns once the engine has neither (the
         prefix cache off, or turned off for a model it cannot serve, and no `lora_modules_path`)."""
-        metrics = {spec.name: (exporter.Gauge if spec.kind == "gauge" else exporter.Counter)(
+        metrics = {spec.name: exporter.Histogram(spec.name, spec.description, list(spec.buckets), spec.labels)
+                   if spec.kind == "histogram" else (exporter.Gauge if spec.kind == "gauge" else exporter.Counter)(
             spec.name, spec.description, spec.labels) for spec in HF_METRICS + HF_ADAPTER_METRICS}
         tags = {"model_id": model_id, "backend": self.config.infer_backend}
         sent: dict[str, float] = {}
@@ -340,6 +344,9 @@ class HuggingFaceEngine(Engine):
                 totals |= {"hf_lora_adapter_loads": adapters.loads, "hf_lora_adapter_evictions": adapters.evictions,
                            "hf_lora_adapter_hits": adapters.hits, "hf_lora_adapter_load_seconds": adapters.load_seconds}
                 metrics["hf_lora_adapters_loaded"].set(len(adapters.loaded), tags)
+                durations, adapters.load_durations = adapters.load_durations, []
+                for seconds in durations:
+                    metrics["hf_lora_adapter_load_duration_seconds"].observe(seconds, tags)
             if not totals:
                 return
             for name, total in totals.items():
@@ -401,7 +408,7 @@ class HuggingFaceEngine(Engine):
             raise ServingError.not_supported("this is an embedding model (task: embed): it does not generate",
                                              param="model")
         await self.check_health()
-        dynamic = request.lora_name is not None and request.lora_name not in self._peft_names and (
+        dynamic = request.lora_name not in (None, BASE_MODEL, *self._peft_names) and (
             self._dynamic_adapters is not None or request.lora_path is not None)
         if dynamic and self._dynamic_adapters is None:  # the first adapter added at run time
             self._dynamic_adapters = self._new_dynamic_adapters()

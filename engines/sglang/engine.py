@@ -7,7 +7,10 @@ SGLang's native `POST /generate` with the prompt token ids from lmserve's render
 sees the same ids as every other backend). The streamed answer (SSE `data: {...}` lines, each
 with the choice's cumulative `text` and `meta_info`) is turned into `GenerationDelta`s; a
 request that is given up (client gone) is aborted with `POST /abort_request`. The server's own
-metrics (`--enable-metrics`) are read from its `GET /metrics` (`server_metrics`).
+metrics (`--enable-metrics`) are read from its `GET /metrics` (`server_metrics`). Adapters loaded
+at run time (`lora_modules_path`, `allow_runtime_lora_updating`; GPU servers only) are kept by
+`engines.dynamic_adapters.DynamicAdapters` and loaded into the server with SGLang's
+`POST /load_lora_adapter`, the least recently used unloaded first with `POST /unload_lora_adapter`.
 
 Launch flags: engines/sglang/launch.py; the wire format of `/generate`: engines/sglang/wire.py.
 
@@ -35,12 +38,15 @@ from engines.base import (
     GenerationDelta,
     GenerationRequest,
     ModelInfo,
+    SamplingParams,
     prepare_generation,
     single_lora_adapter,
 )
+from engines.adapter_store import adapter_key, adapter_names, adapter_rank
 from engines.config import ConfigError, EngineConfig
+from engines.dynamic_adapters import DynamicAdapters
 from engines.errors import ModelLoadError, ServingError
-from engines.lora import check_adapters_fit
+from engines.lora import check_adapter_fits, check_adapters_fit
 from engines.model_source import model_config_json, resolve_model_path
 from engines.sglang.launch import (
     DEFAULT_LAUNCH_COMMAND,
@@ -57,6 +63,11 @@ from engines.sglang.server_process import ServerProcess, free_port
 from engines.sglang.wire import StreamParser, error_message, generate_payload
 
 logger = logging.getLogger(__name__)
+
+#: Seconds one `/load_lora_adapter` or `/unload_lora_adapter` call may take (an unload waits for
+#: the server's requests still using the adapter).
+LORA_UPDATE_TIMEOUT_S = 300.0
+
 
 class SGLangEngine(Engine):
     """Engine over an SGLang server child process (continuous batching, radix cache, TP, LoRA).
@@ -87,6 +98,9 @@ class SGLangEngine(Engine):
         self._aborts: set[asyncio.Task] = set()
         # `cuda` or `cpu`, resolved by `start` (`server_device`); launch flags before it: GPU ones.
         self.device = "cuda"
+        # adapters loaded at run time (`config.loads_adapters_at_run_time`), made by `start`
+        self._dynamic_adapters: DynamicAdapters | None = None
+        self._max_lora_rank: int | None = None  # the server's --max-lora-rank, where it has one
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -132,7 +146,10 @@ class SGLangEngine(Engine):
         self._client = httpx.AsyncClient(base_url=f"http://{HOST}:{port}",
                                          headers={"Authorization": f"Bearer {api_key}"},
                                          timeout=httpx.Timeout(None, connect=10))
-        command = self.launch_command(self.model_path, port, api_key, max_len)
+        # off the event loop: the rank flag reads the adapters of a local lora_modules_path
+        command = await asyncio.to_thread(self.launch_command, self.model_path, port, api_key, max_len)
+        if "--max-lora-rank" in command:
+            self._max_lora_rank = int(command[command.index("--max-lora-rank") + 1])
         self.server = ServerProcess(command, self.server_name, env=server_env(command), secrets=(api_key,))
         try:
             await self.server.start()
@@ -144,9 +161,75 @@ class SGLangEngine(Engine):
         self._info = ModelInfo(max_model_len=int(info.get("context_length") or max_len),
                                dtype=str(info.get("dtype") or self.config.infer_dtype),
                                device=str(info.get("device") or self.device))
+        if self.config.loads_adapters_at_run_time:
+            self._dynamic_adapters = DynamicAdapters(self.config.lora_modules_path, self.config.max_loras_per_replica,
+                                                     check=self._check_adapter, swap=self._swap_adapter)
         logger.info("%s server ready after %.1f s (pid %s): %s, context %d tokens, adapters %s", self.server_name,
                     seconds, self.server.pid, self.model_path, self._info.max_model_len,
                     list(self.config.lora_adapters))
+
+    # ---- adapters loaded at run time ----------------------------------------------------------
+
+    def _check_adapter(self, path: Path) -> None:
+        """`DynamicAdapters`' check: the adapter at `path` fits the base model
+        (`check_adapter_fits`) and its rank the server's `--max-lora-rank`. Blocking.
+
+        Raises:
+            ConfigError: naming what does not fit.
+        """
+        check_adapter_fits(self.model_path, str(path))
+        rank = adapter_rank(path)
+        if self._max_lora_rank is not None and rank > self._max_lora_rank:
+            raise ConfigError(f"its rank {rank} is over this replica's max_lora_rank {self._max_lora_rank} (set "
+                              f"sglang_max_lora_rank to at least {rank}, or place the adapter in lora_modules_path "
+                              "before the start)")
+
+    async def _swap_adapter(self, evict: str | None, path: Path, name: str) -> None:
+        """`DynamicAdapters`' swap: SGLang's `POST /unload_lora_adapter` of `evict` (None: none),
+        then `POST /load_lora_adapter` of the adapter at `path` as `name` (`LoadLoRAAdapterReqInput`
+        `{lora_name, lora_path}`; SGLang answers `LoRAUpdateOutput` `{success, error_message,
+        loaded_adapters}`, 200 or 400). SGLang's own LRU never acts: the server holds
+        `--max-loaded-loras` = configured + `max_loras_per_replica` adapters and this engine unloads
+        one before loading another.
+
+        Raises:
+            ModelLoadError: SGLang refused to load the adapter (400: its `error_message`; a rank
+                over `--max-lora-rank`, a module outside `--lora-target-modules`, a DoRA adapter).
+            ServingError: UNAVAILABLE when the server does not answer, refuses the unload, or
+                answers other than 200 or 400.
+        """
+        if evict is not None:
+            response = await self._lora_update("/unload_lora_adapter", {"lora_name": evict})
+            if response.status_code != 200:
+                raise ServingError.unavailable(f"{self.server_name} could not unload LoRA adapter {evict!r} to make "
+                                               f"room ({response.status_code}: {_lora_error(response)}); retry later")
+        response = await self._lora_update("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        if response.status_code == 400:
+            raise ModelLoadError(f"{self.server_name} could not load it: {_lora_error(response)}")
+        if response.status_code != 200:
+            raise ServingError.unavailable(f"{self.server_name} server answered {response.status_code} to "
+                                           f"/load_lora_adapter: {_lora_error(response)}")
+        logger.info("%s: LoRA adapter %s loaded from %s%s", self.server_name, name, path,
+                    f" (unloaded {evict})" if evict is not None else "")
+
+    async def _lora_update(self, route: str, body: dict[str, Any]) -> httpx.Response:
+        """POST `body` to SGLang's LoRA `route`.
+
+        Raises:
+            ServingError: UNAVAILABLE when the server is gone or does not answer in
+                `LORA_UPDATE_TIMEOUT_S`.
+        """
+        client = self._require_client()
+        try:
+            return await client.post(route, json=body, timeout=LORA_UPDATE_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            if self.server is not None:
+                self.server.check_alive()  # a dead server says why
+            raise ServingError.unavailable(f"{self.server_name} server: {route}: {type(exc).__name__}: {exc}") from exc
+
+    def loaded_adapters(self) -> list[str]:
+        """The adapters loaded at run time that the server holds now."""
+        return adapter_names(self._dynamic_adapters.loaded) if self._dynamic_adapters is not None else []
 
     async def _ready(self) -> bool:
         try:
@@ -239,15 +322,37 @@ class SGLangEngine(Engine):
     # ---- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Stream `request` from the server. An adapter not configured at start (one of
+        `lora_modules_path`, or added at run time: `request.lora_path`) is loaded first
+        (`DynamicAdapters.acquire`, `_swap_adapter`) and sent by the name it was loaded under."""
         client = self._require_client()
         params, max_tokens = prepare_generation(request, self.config, max_model_len=self.model_info().max_model_len,
                                                 vocab_size=self._vocab_size)
+        adapter = single_lora_adapter(request, self.config)
+        dynamic = (adapter is not None and adapter not in self.config.lora_adapters
+                   and self._dynamic_adapters is not None)
+        if dynamic:
+            adapter = await self._dynamic_adapters.acquire(request.lora_name, request.lora_path)
+        stream = self._generate(client, request, params, max_tokens, adapter)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            try:
+                await stream.aclose()  # now, not when collected: it aborts the request at the server
+            finally:
+                if dynamic:
+                    self._dynamic_adapters.release(adapter_key(request.lora_name, request.lora_path))
+
+    async def _generate(self, client: httpx.AsyncClient, request: GenerationRequest, params: SamplingParams,
+                        max_tokens: int, adapter: str | None) -> AsyncIterator[GenerationDelta]:
+        """`generate` once the request's adapter is known: `adapter` is its name at the server."""
         prompt_ids = list(request.prompt_token_ids)
         # SGLang refuses a duplicate rid; ours may repeat (a client's x-request-id), so add a suffix.
         rid = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
         parser = StreamParser(params)
         parser.rids.add(rid)
-        body = generate_payload(rid, prompt_ids, params, max_tokens, single_lora_adapter(request, self.config))
+        body = generate_payload(rid, prompt_ids, params, max_tokens, adapter)
         self._running += 1
         try:
             async with client.stream("POST", "/generate", json=body) as response:
@@ -306,3 +411,15 @@ class SGLangEngine(Engine):
                 await client.post("/abort_request", json={"rid": rid}, timeout=10)
             except httpx.HTTPError as exc:
                 logger.warning("%s: could not abort request %s: %s", self.server_name, rid, exc)
+
+
+def _lora_error(response: httpx.Response) -> str:
+    """The message of SGLang's answer to a LoRA route: `LoRAUpdateOutput.error_message`, or the
+    body of another answer (a 401, a validation error)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict) and body.get("error_message"):
+        return str(body["error_message"])
+    return error_message(body)

@@ -10,12 +10,13 @@ torch-native attention and layers there.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from pathlib import Path
 
-
+from engines.adapter_store import AdapterStore, adapter_rank
 from engines.config import ConfigError, EngineConfig, parse_mapping
 from engines.model_source import model_config_json, model_max_len
 
@@ -82,17 +83,64 @@ def check_device_support(config: EngineConfig, device: str) -> None:
     """Refuse what SGLang cannot serve on `device`.
 
     Raises:
-        ConfigError: LoRA adapters on `cpu`: SGLang 0.5.23's LoRA layers allocate pinned host
-            memory (`pin_memory=True`, `sglang/srt/lora/layers.py`), which needs a CUDA driver,
-            so its CPU server dies at start-up ("RuntimeError: Found no NVIDIA driver on your
-            system"; with `--lora-backend torch_native` too).
+        ConfigError: LoRA adapters on `cpu` (`adapter_name_or_path`, or adapters loaded at run
+            time: `--enable-lora` alone does the same): SGLang 0.5.23's LoRA layers allocate
+            pinned host memory (`pin_memory=True`, `sglang/srt/lora/layers.py`), which needs a
+            CUDA driver, so its CPU server dies at start-up ("RuntimeError: Found no NVIDIA
+            driver on your system"; with `--lora-backend torch_native` too).
     """
-    if device == "cpu" and config.lora_adapters:
+    if device != "cpu":
+        return
+    field = ("adapter_name_or_path" if config.lora_adapters else "lora_modules_path"
+             if config.lora_modules_path is not None else "allow_runtime_lora_updating")
+    if config.lora_adapters or config.loads_adapters_at_run_time:
         raise ConfigError(
-            "adapter_name_or_path: the sglang backend cannot serve LoRA adapters on CPU: SGLang 0.5.23's LoRA "
+            f"{field}: the sglang backend cannot serve LoRA adapters on CPU: SGLang 0.5.23's LoRA "
             "layers pin host memory (pin_memory=True, sglang/srt/lora/layers.py), which needs a CUDA driver, and "
             "its server dies at start-up ('Found no NVIDIA driver on your system'). Serve the adapters with "
             "infer_backend huggingface or vllm, or run sglang on a GPU (sglang_device)")
+
+
+def largest_adapter_rank(config: EngineConfig) -> int:
+    """The largest LoRA rank among the adapters of `adapter_name_or_path` that are local
+    directories and those of a local `lora_modules_path` now (a remote store is not listed at
+    start, a hub ID not downloaded); 0 without any. Blocking: reads each `adapter_config.json`."""
+    paths = [Path(path).expanduser() for path in config.lora_adapters.values()]
+    if config.lora_modules_path is not None:
+        store = AdapterStore(config.lora_modules_path)
+        if not store.remote:
+            paths += [store.local_path(name) for name in store.available()]
+    return max(map(adapter_rank, paths), default=0)
+
+
+def run_time_lora_flags(config: EngineConfig) -> dict[str, list[str]]:
+    """SGLang's LoRA flags where adapters are loaded at run time (`lora_modules_path`,
+    `allow_runtime_lora_updating`; engines/sglang/engine.py loads them with `/load_lora_adapter`).
+
+    `--enable-lora`; `--max-lora-rank` = `sglang_max_lora_rank`, raised to the largest rank at
+    start (`largest_adapter_rank`); `--lora-target-modules all` (every module SGLang can adapt in
+    the model: an adapter loaded later may target any of them); `--max-loaded-loras` and
+    `--max-loras-per-batch` = the adapters of `adapter_name_or_path` + `max_loras_per_replica`,
+    so that SGLang never evicts an adapter itself (SGLang wants the first at least the second);
+    the adapters of `adapter_name_or_path` in `--lora-paths` as SGLang's JSON items, pinned (never
+    evicted); `--lora-backend` from `sglang_lora_backend`. SGLang's rules
+    (`arg_groups/lora_hook.py`): without `--lora-paths`, both `--max-lora-rank` and
+    `--lora-target-modules` are required; `all` must be the only target module.
+    """
+    adapters = config.lora_adapters
+    slots = len(adapters) + config.max_loras_per_replica
+    flags = {
+        "--enable-lora": [],
+        "--max-lora-rank": [str(max(config.sglang.max_lora_rank, largest_adapter_rank(config)))],
+        "--lora-target-modules": ["all"],
+        "--max-loaded-loras": [str(slots)],
+        "--max-loras-per-batch": [str(slots)],
+        "--lora-backend": [config.sglang.lora_backend],
+    }
+    if adapters:
+        flags["--lora-paths"] = [json.dumps({"lora_name": name, "lora_path": path, "pinned": True})
+                                 for name, path in adapters.items()]
+    return flags
 
 
 def server_env(argv: list[str]) -> dict[str, str] | None:
@@ -132,11 +180,14 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
     `--lora-paths NAME=PATH ...` (the names the ingress exposes as `<model_id>:<name>`; a request
     without one is served with the first, as LLaMA-Factory's sglang engine means to) with
     `--lora-backend` from `sglang_lora_backend` and `--max-loras-per-batch` = the adapter count;
-    `--api-key` (the replica's own); `--enable-metrics`; then `backend_flags` (the
+    `--api-key` (the replica's own); `--enable-metrics`; where adapters are loaded at run time
+    (`lora_modules_path`, `allow_runtime_lora_updating`) the LoRA flags are
+    `run_time_lora_flags`' instead; then `backend_flags` (the
     `ktransformers` backend's `--kt-*`). With `device="cpu"` (`server_device`): `--device cpu`,
     `--tp-size` 1 unless `sglang_tp_size` is set, `--dtype` always (`cpu_dtype`),
     `--max-total-tokens` = `max_len` x `CPU_POOL_SEQUENCES` (or x `sglang_config`'s
-    `max_running_requests`); LoRA adapters are refused there (`check_device_support`). Last,
+    `max_running_requests`); LoRA adapters, at start or at run time, are refused there
+    (`check_device_support`). Last,
     `sglang_config` (a mapping or JSON
     text; LLaMA-Factory parses it and never uses it) adds or replaces flags: `{"chunked_prefill_size":
     4096}` -> `--chunked-prefill-size 4096`, `true` -> the bare flag, `false`/`null` removes the
@@ -173,7 +224,9 @@ def launch_arguments(config: EngineConfig, model_path: Path | str, *, port: int,
     if config.trust_remote_code:
         flags["--trust-remote-code"] = []
     adapters = config.lora_adapters
-    if adapters:
+    if config.loads_adapters_at_run_time:
+        flags.update(run_time_lora_flags(config))
+    elif adapters:
         flags["--lora-paths"] = [f"{name}={path}" for name, path in adapters.items()]
         flags["--lora-backend"] = [config.sglang.lora_backend]
         flags["--max-loras-per-batch"] = [str(len(adapters))]

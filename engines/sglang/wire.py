@@ -84,8 +84,9 @@ def structured_output_fields(constraint: StructuredOutput) -> dict[str, str]:
 def generate_payload(rid: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                      lora_name: str | None) -> dict[str, Any]:
     """The JSON body of `POST /generate` (SGLang `GenerateReqInput`), always streamed;
-    `lora_name`: the adapter's name in `--lora-paths` (`engines.base.single_lora_adapter`), None
-    for the base model."""
+    `lora_name`: the adapter's name in `--lora-paths` (`engines.base.single_lora_adapter`) or the
+    one it was loaded under with `/load_lora_adapter` (an adapter loaded at run time), None for
+    the base model."""
     body: dict[str, Any] = {
         "rid": rid,
         "input_ids": list(prompt_ids),
@@ -93,7 +94,7 @@ def generate_payload(rid: str, prompt_ids: list[int], params: SamplingParams, ma
         "stream": True,
     }
     if lora_name is not None:
-        body["lora_path"] = lora_name  # SGLang takes the adapter's name from --lora-paths here
+        body["lora_path"] = lora_name  # SGLang takes the adapter's name (--lora-paths, /load_lora_adapter) here
     if params.logprobs is not None or params.prompt_logprobs is not None:
         # one top-k for the prompt's and the output's positions: the larger, each cut to its own
         body.update(return_logprob=True, top_logprobs_num=max(params.logprobs or 0, params.prompt_logprobs or 0),

@@ -11,7 +11,13 @@ both (`test_wire_*`):
 
 - Start-up: `server_args={...}` logged (the API key included, as SGLang does); with `--device cpu`
   the server dies (its own SIGKILL, exit status -9) without `SGLANG_USE_CPU_ENGINE=1` ("No module
-  named 'vllm'") and with `--lora-paths` ("Found no NVIDIA driver on your system").
+  named 'vllm'") and with LoRA (`--lora-paths` or `--enable-lora`: "Found no NVIDIA driver on your
+  system"). LoRA flags as `arg_groups/fields/lora.py` declares them and `arg_groups/lora_hook.py`
+  checks them (an `AssertionError`: the server exits with its traceback, status 1): `--lora-paths`
+  items `NAME=PATH`, `PATH` or JSON `{"lora_name", "lora_path", "pinned"}`; `--lora-paths` turns
+  `--enable-lora` on; without `--lora-paths` both `--max-lora-rank` and `--lora-target-modules`
+  are needed; `all` is the only target module when given; `--max-loaded-loras` at least
+  `--max-loras-per-batch` and the `--lora-paths` count.
 - `GET /health`, `GET /health_generate`: at least a second; when idle, one token generated; 200.
 - `GET /model_info`, `GET /server_info` (the server args, `device`, `dtype`, `version`); the
   deprecated `/get_model_info`, `/get_server_info` too.
@@ -30,6 +36,19 @@ both (`test_wire_*`):
   400 `{"error": {"message": ...}}`, or, when streaming, 200 with `data: {"error": {"message",
   "type", "code", "retryable"}}` then `data: [DONE]`.
 - `POST /abort_request` `{"rid": ...}`: 200, empty body; aborts requests whose ID starts with it.
+- `POST /load_lora_adapter` `{"lora_name", "lora_path", "pinned"}` and `POST /unload_lora_adapter`
+  `{"lora_name"}` (`LoadLoRAAdapterReqInput`, `UnloadLoRAAdapterReqInput`): `LoRAUpdateOutput`
+  `{"success", "error_message", "loaded_adapters": {name: path}}`, 200 on success, else 400 with
+  SGLang's message (LoRA not enabled; a name loaded already; a rank over `--max-lora-rank` or a
+  module outside `--lora-target-modules`; pinning every slot; an unknown name to unload). The
+  adapters are kept as SGLang's tokenizer manager keeps them (`managers/tokenizer_control_mixin.py`,
+  `lora/lora_registry.py`): least recently used first, a request counting as a use; past
+  `--max-loaded-loras` the least recently used unpinned one is unloaded; an unload waits for the
+  requests using the adapter; a request naming an adapter unloaded earlier loads it again
+  ("Reloading evicted adapter"), one never loaded is refused. Loaded adapters are served by the
+  huggingface engine's own run-time loading (`lora_name` + `lora_path`); at load the adapter is
+  read and checked against the model (`engines.lora.check_adapter_fits`) as SGLang loads its
+  weights then.
 - `GET /metrics` with `--enable-metrics`: SGLang's Prometheus series (tests/standins/sglang_metrics.py).
 - `--api-key`: every route but `/health*` and `/metrics` needs `Authorization: Bearer KEY` (401
   `{"error": "Unauthorized"}`).
@@ -51,7 +70,9 @@ import signal
 import sys
 import time
 import uuid
+from collections import Counter, OrderedDict
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import uvicorn
@@ -64,6 +85,7 @@ from engines.base import GenerationRequest, SamplingParams as EngineSamplingPara
 from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ServingError
 from engines.huggingface.engine import HuggingFaceEngine
+from engines.lora import check_adapter_fits
 from sglang_metrics import ServerMetrics
 
 log = logging.getLogger("sglang.standin")
@@ -81,7 +103,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--enable-lora", action="store_true", default=None)
+    p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--lora-target-modules", nargs="*", choices=[*SUPPORTED_LORA_TARGET_MODULES, "all"])
     p.add_argument("--lora-paths", nargs="*")
+    p.add_argument("--max-loaded-loras", type=int)
     p.add_argument("--lora-backend", default="csgmv", choices=["triton", "csgmv", "ascend", "torch_native"])
     p.add_argument("--max-loras-per-batch", type=int, default=8)
     p.add_argument("--api-key")
@@ -100,23 +126,220 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--tp-size must be at least 1, got {args.tp_size}")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
         p.error(f"--mem-fraction-static must be in (0, 1], got {args.mem_fraction_static}")
-    if args.lora_paths and args.max_loras_per_batch < 1:
-        p.error("--max-loras-per-batch must be at least 1")
     if args.kt_weight_path is not None and (args.kt_num_gpu_experts is None or args.kt_method is None):
         p.error("--kt-weight-path needs --kt-method and --kt-num-gpu-experts")
     kt_flags = (args.kt_method, args.kt_cpuinfer, args.kt_num_gpu_experts)
     if args.kt_weight_path is None and any(v is not None for v in kt_flags):
         p.error("--kt-* flags need --kt-weight-path")
+    check_lora_args(args)
     return args
 
 
-def lora_paths(values: list[str] | None) -> dict[str, str]:
-    """`--lora-paths NAME=PATH ...` (or bare paths, named by themselves), as SGLang parses them."""
-    out = {}
+# SGLang's `--lora-target-modules` choices besides `all` (`utils/common.py` SUPPORTED_LORA_TARGET_MODULES).
+SUPPORTED_LORA_TARGET_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b", "wk",
+    "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head",
+    "qkvr", "wo_ud")
+
+
+def check_lora_args(args: argparse.Namespace) -> None:
+    """`arg_groups/lora_hook.py` `check_lora_server_args`, in its order: `--lora-paths` turns LoRA on
+    (`args.enable_lora`); the rules are SGLang's asserts, so a refused combination ends the server
+    with an AssertionError traceback (exit status 1), as SGLang's does.
+
+    Raises:
+        AssertionError: SGLang's message.
+    """
+    refs = lora_refs(args.lora_paths)  # argparse_actions.LoRAPathAction: asserts on a bad JSON item
+    assert args.max_loras_per_batch > 0, "max_loras_per_batch must be positive"
+    if refs and args.enable_lora is None:
+        args.enable_lora = True
+    if not args.enable_lora:
+        return
+    modules = args.lora_target_modules
+    if modules and "all" in modules:
+        assert len(modules) == 1, ("If 'all' is specified in --lora-target-modules, it should be the only module "
+                                   "specified.")
+    assert refs or (args.max_lora_rank and modules), (
+        "When no initial --lora-paths is provided, you need to specify both --max-lora-rank and "
+        "--lora-target-modules for LoRA initialization.")
+    if args.max_loaded_loras is not None:
+        assert args.max_loaded_loras >= args.max_loras_per_batch, (
+            "max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+            f"max_loaded_loras={args.max_loaded_loras}, max_loras_per_batch={args.max_loras_per_batch}")
+        assert len(refs) <= args.max_loaded_loras, (
+            "The number of LoRA paths should not exceed max_loaded_loras. "
+            f"max_loaded_loras={args.max_loaded_loras}, lora_paths={len(refs)}")
+
+
+@dataclass
+class LoraRef:
+    """An adapter as SGLang's `LoRARef` (`lora/lora_registry.py`) records it."""
+
+    name: str
+    path: str
+    pinned: bool = False
+
+
+def lora_refs(values: list[str] | None) -> list[LoraRef]:
+    """`--lora-paths` items as SGLang parses them (`argparse_actions.LoRAPathAction`, then
+    `check_lora_server_args`): `NAME=PATH`, a bare `PATH` (named by itself), or JSON
+    `{"lora_name": ..., "lora_path": ..., "pinned": ...}`.
+
+    Raises:
+        AssertionError: a JSON item without `lora_name` or `lora_path` (SGLang's message).
+    """
+    out = []
     for item in values or []:
-        name, sep, path = item.partition("=")
-        out[name if sep else item] = path if sep else item
+        item = item.strip()
+        if item.startswith("{") and item.endswith("}"):
+            obj = json.loads(item)
+            assert "lora_path" in obj and "lora_name" in obj, (
+                f"{item!r} looks like a JSON str, but it does not contain 'lora_name' and 'lora_path' keys.")
+            out.append(LoraRef(obj["lora_name"], obj["lora_path"], bool(obj.get("pinned", False))))
+        else:
+            name, sep, path = item.partition("=")
+            out.append(LoraRef(name, path) if sep else LoraRef(item, item))
     return out
+
+
+def _normalized_modules(modules) -> set[str]:
+    """`lora/utils.py` `get_normalized_target_modules`: module names as SGLang's LoRA weights name
+    them (q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj); `all`/`all-linear` -> {"all"}."""
+    if isinstance(modules, str):
+        return {"all"}
+    merged = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+              "up_proj": "gate_up_proj"}
+    return {merged.get(name.rsplit(".", 1)[-1], name.rsplit(".", 1)[-1]) for name in modules}
+
+
+class LoraAdapters:
+    """The adapters the server holds, as SGLang's tokenizer manager keeps them: `registry` (name ->
+    `LoraRef`, least recently used first; `lora_registry.LoRARegistry`), `cache` (every adapter
+    ever loaded: `lora_ref_cache`, from which a request reloads one unloaded since), the requests
+    using each (`LoRARegistry` counters: an unload waits for them), one load or unload at a time
+    (`lora_update_lock`). `static` maps the `--lora-paths` names to the stand-in engine's adapter
+    names; the others are served by the engine's own run-time loading."""
+
+    def __init__(self, args: argparse.Namespace, refs: list[LoraRef], static: dict[str, str]):
+        self.args = args
+        self.enabled = bool(args.enable_lora)
+        self.static = static
+        self.registry: OrderedDict[str, LoraRef] = OrderedDict((ref.name, ref) for ref in refs)
+        self.cache: dict[str, LoraRef] = {ref.name: ref for ref in refs}
+        self.in_use: Counter[str] = Counter()
+        self.lock = asyncio.Lock()
+        self.model_path = None  # the engine's, once started: adapters are checked against it
+        # the memory pool's shape (`LoRAManager.init_lora_shapes`): the flags, else the --lora-paths adapters'
+        configs = [self._config(ref.path) for ref in refs if os.path.isdir(ref.path)]
+        self.max_rank = args.max_lora_rank or max((int(c.get("r") or 0) for c in configs), default=0)
+        modules = args.lora_target_modules
+        self.modules = ({"all"} if modules and "all" in modules else _normalized_modules(modules) if modules
+                        else set().union(*(_normalized_modules(c.get("target_modules") or []) for c in configs)))
+
+    @staticmethod
+    def _config(path: str) -> dict:
+        """`LoRAConfig.get_lora_config`: the adapter's `adapter_config.json` (a path that is not a
+        directory is a Hub ID to SGLang; the stand-in has no Hub)."""
+        if not os.path.isdir(path):
+            raise ValueError(f"stand-in: {path} is not a directory (SGLang would look it up on the Hub)")
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            return json.load(f)
+
+    def output(self, success: bool, error: str = "", adapters: bool = True) -> dict:
+        """`LoRAUpdateOutput`: `loaded_adapters` is the scheduler's (`create_lora_update_result`), null
+        where the tokenizer manager refused before asking it."""
+        return {"success": success, "error_message": error,
+                "loaded_adapters": {ref.name: ref.path for ref in self.registry.values()} if adapters else None}
+
+    async def load(self, name: str, path: str, pinned: bool = False) -> dict:
+        """`TokenizerControlMixin.load_lora_adapter`: check and register (`LoRAManager.validate_new_adapter`),
+        then unload the least recently used unpinned adapters past `--max-loaded-loras`."""
+        if not self.enabled:
+            return self.output(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.", False)
+        async with self.lock:
+            print(f"Start load Lora adapter. Lora name={name}, path={path}", flush=True)
+            try:
+                config = self._config(path)
+                if name in self.registry:
+                    raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
+                modules = _normalized_modules(config.get("target_modules") or [])
+                if int(config.get("r") or 0) > self.max_rank or not (
+                        "all" in self.modules or "all" in modules or modules <= self.modules):
+                    raise ValueError(
+                        f"LoRA adapter {name} with rank {config.get('r')} is incompatible with the current LoRA "
+                        "memory pool configuration. Please ensure that the LoRA adapter's rank is within the "
+                        "configured `--max-lora-rank` and that the target modules are included in "
+                        "`--lora-target-modules`.")
+                pinned_now = sum(ref.pinned for ref in self.registry.values())
+                if pinned and pinned_now >= self.args.max_loras_per_batch - 1:
+                    raise ValueError(
+                        f"Failed to load LoRA adapter {name} as a pinned adapter. It is not allowed to pin all slots "
+                        "in the LoRA memory pool to avoid starvation for unpinned adapters and base models. Please "
+                        "increase your `--max-loras-per-batch` or load it as unpinned LoRA adapters.")
+                if self.model_path is not None:  # SGLang loads the weights now: shapes that do not fit fail
+                    check_adapter_fits(self.model_path, path)
+            except Exception as exc:  # noqa: BLE001 - LoRAManager._load_lora_adapter answers any as its message
+                return self.output(False, str(exc))
+            self.registry[name] = self.cache[name] = LoraRef(name, path, pinned)
+            result = self.output(True)
+            limit = self.args.max_loaded_loras
+            while limit is not None and len(self.registry) > limit:
+                victim = next((n for n, ref in self.registry.items() if not ref.pinned), None)
+                if victim is None:
+                    return self.output(False, "Didn't find any LoRA adapters when trying to evict LRU LoRA adapter. "
+                                       f"LoRA registry is: {self.registry}", False)
+                print(f"Unloading least recently used LoRA adapter '{victim}' (current number of adapters: "
+                      f"{len(self.registry)}, max allowed: {limit})", flush=True)
+                await self._unload_locked(victim)
+                del result["loaded_adapters"][victim]
+            return result
+
+    async def unload(self, name: str) -> dict:
+        """`TokenizerControlMixin.unload_lora_adapter`."""
+        if not self.enabled:
+            return self.output(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.", False)
+        async with self.lock:
+            print(f"Start unload Lora adapter. Lora name={name}", flush=True)
+            if name not in self.registry:  # LoRARegistry.unregister
+                return self.output(False, f"LoRA with name {name} does not exist. Loaded LoRAs: "
+                                   f"{self.registry.keys()}", False)
+            await self._unload_locked(name)
+            return self.output(True)
+
+    async def _unload_locked(self, name: str) -> None:
+        """Unregister `name` (new requests no longer find it), then wait until no request uses it."""
+        del self.registry[name]
+        while self.in_use[name]:  # LoRARegistry.wait_for_unload
+            await asyncio.sleep(0.05)
+
+    async def acquire(self, name: str) -> dict[str, str]:
+        """The engine's adapter fields for a request naming `name` (`lora_name`, and `lora_path`
+        for one loaded at run time), counted as a use until `release`; an adapter unloaded
+        earlier is loaded again first (`TokenizerManager._resolve_lora_path`).
+
+        Raises:
+            ValueError: SGLang's message when the adapter cannot be loaded again.
+        """
+        if name not in self.registry:
+            ref = self.cache[name]
+            print(f"Reloading evicted adapter: {name}", flush=True)
+            result = await self.load(ref.name, ref.path, ref.pinned)
+            if not result["success"] and "already loaded" not in result["error_message"]:
+                raise ValueError(f"Failed to implicitly load LoRA adapter {name}: {result['error_message']}")
+        if name not in self.registry:  # unloaded again meanwhile (LoRARegistry.acquire's refusal)
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {name}\n"
+                             f"Loaded adapters: {self.registry.keys()}.")
+        self.registry.move_to_end(name)
+        self.in_use[name] += 1
+        if name in self.static:
+            return {"lora_name": self.static[name]}
+        return {"lora_name": name, "lora_path": self.registry[name].path}
+
+    def release(self, name: str) -> None:
+        self.in_use[name] -= 1
+        if self.in_use[name] <= 0:
+            del self.in_use[name]
 
 
 # SGLang 0.5.23's sampling fields, in the order its 400 for an unknown one lists them.
@@ -181,13 +404,34 @@ class AbortReqIn(BaseModel):
     abort_all: bool = False
 
 
+class LoadLoRAAdapterReqIn(BaseModel):
+    """`LoadLoRAAdapterReqInput` (`managers/io_struct.py`)."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterReqIn(BaseModel):
+    """`UnloadLoRAAdapterReqInput`."""
+
+    lora_name: str
+
+
 def build_app(args: argparse.Namespace) -> FastAPI:
-    adapters = lora_paths(args.lora_paths)
+    refs = lora_refs(args.lora_paths)
     dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    # adapters loaded at run time go through the engine's own run-time loading (`lora_path`)
     engine = HuggingFaceEngine(EngineConfig(model_name_or_path=args.model_path, infer_dtype=dtype,
                                             trust_remote_code=args.trust_remote_code,
-                                            adapter_name_or_path=list(adapters.values()) or None))
-    adapter_names = dict(zip(adapters, engine.config.lora_adapters))  # SGLang name -> engine name
+                                            adapter_name_or_path=[ref.path for ref in refs] or None,
+                                            allow_runtime_lora_updating=bool(args.enable_lora),
+                                            max_loras_per_replica=max(args.max_loaded_loras or 16, 1)))
+    # SGLang name -> engine name of the --lora-paths adapters
+    loras = LoraAdapters(args, refs, dict(zip((ref.name for ref in refs), engine.config.lora_adapters)))
+    # the engine's name for its base model: `base` among configured adapters; without any, no name (the
+    # engine would take `base` for an adapter to load at run time)
+    base = BASE_MODEL if refs else None
     tasks: dict[str, asyncio.Task] = {}  # rid -> the task generating it
     # the pool is --max-total-tokens (SGLang sizes it from memory otherwise: here eight context lengths)
     pool_tokens = args.max_total_tokens or 8 * (args.context_length or 8192)
@@ -196,6 +440,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        loras.model_path = engine.model_path
         print(f"stand-in: model {args.model_path} loaded; kt flags: method={args.kt_method} "
               f"cpuinfer={args.kt_cpuinfer} gpu_experts={args.kt_num_gpu_experts}", flush=True)
         print("The server is fired up and ready to roll!", flush=True)
@@ -228,7 +473,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             await engine.check_health()
             if not engine.num_running:
                 probe = GenerationRequest(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0],
-                                          EngineSamplingParams(max_tokens=1, temperature=0), lora_name=BASE_MODEL)
+                                          EngineSamplingParams(max_tokens=1, temperature=0), lora_name=base)
                 async for _ in engine.generate(probe):
                     pass
         except ServingError:
@@ -274,16 +519,26 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                 task.cancel()
         return Response(status_code=200)
 
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(obj: LoadLoRAAdapterReqIn) -> JSONResponse:
+        result = await loras.load(obj.lora_name, obj.lora_path, obj.pinned)
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(obj: UnloadLoRAAdapterReqIn) -> JSONResponse:
+        result = await loras.unload(obj.lora_name)
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
+
     def invalid(obj: GenerateReqIn, ids: list[int]) -> str | None:
         """Why SGLang refuses this request (tokenizer_manager's checks, `SamplingParams.verify`),
         in its words; None when it is served."""
         sp = obj.sampling_params
-        if obj.lora_path is not None and not adapter_names:  # _validate_and_resolve_lora
+        if obj.lora_path is not None and not loras.enabled:  # _validate_and_resolve_lora
             return (f"LoRA adapter '{obj.lora_path}' was requested, but LoRA is not enabled. Please launch the server "
                     "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.")
-        if obj.lora_path is not None and obj.lora_path not in adapter_names:
+        if obj.lora_path is not None and obj.lora_path not in loras.cache:  # _resolve_lora_path
             return (f"Got LoRA adapter that has never been loaded: {obj.lora_path}\n"
-                    f"All loaded adapters: {dict.fromkeys(adapter_names).keys()}.")
+                    f"All loaded adapters: {loras.cache.keys()}.")
         limit = args.context_length or engine.model_info().max_model_len
         if len(ids) >= limit:  # tokenizer_manager._validate_one_request
             return f"The input ({len(ids)} tokens) is longer than the model's context length ({limit} tokens)."
@@ -315,7 +570,14 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             return JSONResponse({"error": f"unknown field `{unknown}`, expected one of {expected}"}, status_code=400)
         ids = obj.input_ids if obj.input_ids is not None else engine._tokenizer.encode(obj.text or "")
         rid = obj.rid or uuid.uuid4().hex
-        if (message := invalid(obj, ids)) is not None:
+        message = invalid(obj, ids)
+        adapter: dict = {"lora_name": base}  # SGLang serves the base model to a request without `lora_path`
+        if message is None and obj.lora_path is not None:
+            try:
+                adapter = await loras.acquire(obj.lora_path)
+            except ValueError as exc:
+                message = str(exc)
+        if message is not None:
             if obj.stream:  # a stream answers 200 and the error as its first event
                 error = {"error": {"message": message, "type": "invalid_request_error", "code": 400,
                                    "retryable": False}}
@@ -338,13 +600,14 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         # n > 1: every choice gets a request ID of its own (tokenizer_manager regenerates them).
         rids = [rid] if sp.n == 1 else [uuid.uuid4().hex for _ in range(sp.n)]
         queue: asyncio.Queue = asyncio.Queue()
-        # SGLang serves the base model to a request without `lora_path`
-        request = GenerationRequest(rid, ids, params, lora_name=adapter_names.get(obj.lora_path, BASE_MODEL))
+        request = GenerationRequest(rid, ids, params, **adapter)
         task = asyncio.get_running_loop().create_task(_run(engine, request, rids, obj, queue, metrics,
                                                            bad_constraint))
         for r in rids:
             tasks[r] = task
         task.add_done_callback(lambda _: [tasks.pop(r, None) for r in rids])
+        if obj.lora_path is not None:  # the adapter is in use until the request ends (LoRARegistry.release)
+            task.add_done_callback(lambda _: loras.release(obj.lora_path))
 
         async def outputs() -> AsyncIterator[dict]:
             """The outputs as they come; a reader that lags gets only each choice's latest
@@ -519,12 +782,12 @@ def cpu_start_failure(args: argparse.Namespace) -> str | None:
     """The error SGLang 0.5.23's scheduler dies with on `--device cpu` (then the server kills
     itself: exit status -9), or None: without `SGLANG_USE_CPU_ENGINE` it imports vLLM's rotary
     embedding (`layers/rotary_embedding/base.py`); with LoRA adapters its LoRA layers pin host
-    memory, which needs a CUDA driver (`lora/layers.py`)."""
+    memory, which needs a CUDA driver (`lora/layers.py`): `--lora-paths` or `--enable-lora`."""
     if args.device != "cpu":
         return None
     if os.environ.get("SGLANG_USE_CPU_ENGINE", "").lower() not in ("1", "true"):
         return "ModuleNotFoundError: No module named 'vllm'"
-    if args.lora_paths:
+    if args.enable_lora:
         return ("RuntimeError: Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU and "
                 "installed a driver from http://www.nvidia.com/Download/index.aspx")
     return None
