@@ -199,15 +199,14 @@ def model_dir():
     return ensure_embedded_model()
 
 
-@pytest.fixture(scope="session")
-def lora_dir(model_dir, tmp_path_factory):
-    """A small LoRA adapter for the default model, made with peft (fixed seed, weights scaled up
-    so that it visibly changes greedy output). Its directory name, `sft-lora`, is its name."""
+def write_peft_adapter(model_dir, out, seed: int = 1234):
+    """A small LoRA adapter (rank 8, q_proj and v_proj) of the model in `model_dir`, made with
+    peft into `out`: weights from `seed`, scaled up so that it visibly changes greedy output."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                   init_lora_weights=False))
@@ -215,9 +214,15 @@ def lora_dir(model_dir, tmp_path_factory):
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.mul_(40)
-    out = tmp_path_factory.mktemp("adapters") / "sft-lora"
     peft_model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def lora_dir(model_dir, tmp_path_factory):
+    """A small LoRA adapter for the default model (`write_peft_adapter`). Its directory name,
+    `sft-lora`, is its name."""
+    return write_peft_adapter(model_dir, tmp_path_factory.mktemp("adapters") / "sft-lora")
 
 
 @contextlib.contextmanager

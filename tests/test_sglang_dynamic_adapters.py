@@ -308,24 +308,13 @@ def test_the_engine_loads_and_unloads_adapters_through_sglangs_routes(tmp_path):
 
 @pytest.fixture(scope="module")
 def adapter_store(model_dir, tmp_path_factory):
-    """A `lora_modules_path` of two LoRA adapters of the default model, `a` and `b`, made as
-    conftest's `lora_dir` makes its one (peft, fixed seeds, weights scaled up so that each
-    visibly changes greedy output)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    """A `lora_modules_path` of two LoRA adapters of the default model, `a` and `b`
+    (`conftest.write_peft_adapter`, each its own seed)."""
+    from conftest import write_peft_adapter
 
     store = tmp_path_factory.mktemp("adapter-store")
     for seed, name in ((11, "a"), (22, "b")):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-        peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                      init_lora_weights=False))
-        with torch.no_grad():
-            for param_name, param in peft_model.named_parameters():
-                if "lora_B" in param_name:
-                    param.mul_(40)
-        peft_model.save_pretrained(store / name)
+        write_peft_adapter(model_dir, store / name, seed)
     return store
 
 
