@@ -54,7 +54,7 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 def check_adapter_name(name: str) -> None:
     """Raises ServingError INVALID_REQUEST (param `model`) for a name that is not one plain
     path component (`/`, `..`, a leading dot, over 128 characters)."""
-    if not ADAPTER_NAME.fullmatch(name) or ".." in name:
+    if not _valid_name(name):
         raise ServingError(ErrorKind.INVALID_REQUEST, f"LoRA adapter name {name!r} is not valid: use letters, "
                            "digits, '_', '-' and '.', starting with a letter or digit, without '..'", param="model")
 

@@ -119,10 +119,9 @@ def model_card(entry: ServedModel, held: dict[str, int] | None = None) -> ModelC
         defaults = GenerationDefaults(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                       max_tokens=cfg.max_new_tokens, repetition_penalty=params.repetition_penalty)
     lora = None
-    if entry.lora_path is not None:
-        lora = LoraAdapterCard(source="runtime", loaded_replicas=None if held is None else held.get(entry.lora_name, 0))
-    elif entry.from_store:
-        lora = LoraAdapterCard(source="store", loaded_replicas=None if held is None else held.get(entry.lora_name, 0))
+    if entry.lora_path is not None or entry.from_store:
+        lora = LoraAdapterCard(source="runtime" if entry.lora_path is not None else "store",
+                               loaded_replicas=None if held is None else held.get(entry.lora_name, 0))
     elif entry.lora_name not in (None, BASE_MODEL):
         lora = LoraAdapterCard(source="configured")
     return ModelCard(id=entry.model_id, root=entry.root, parent=entry.parent,
@@ -260,7 +259,7 @@ class OpenAIIngress:
         for entry in self.models.values():
             if entry.parent is None and entry.config.lora_modules_path is not None:
                 held = entry.client.adapter_replicas()
-                cards.extend(model_card(self.router.resolve(f"{entry.model_id}:{name}"), held)
+                cards.extend(model_card(entry.adapter(name), held)
                              for name in await self._store_adapters(entry)
                              if f"{entry.model_id}:{name}" not in self.models)
             if entry.parent is None and entry.config.allow_runtime_lora_updating:
@@ -268,7 +267,7 @@ class OpenAIIngress:
                 added = await asyncio.to_thread(self.router.lora_registry.adapters, entry.model_id)
                 listed = {card.id for card in cards}
                 for name, path in sorted(added.items()):
-                    card = model_card(self._runtime_entry(entry, name, path), held)
+                    card = model_card(entry.adapter(name, path), held)
                     if card.id in listed:
                         cards = [c for c in cards if c.id != card.id]  # it answers with the added one
                     cards.append(card)
@@ -284,13 +283,6 @@ class OpenAIIngress:
                 raise ServingError.model_not_found(model_id, list(self.models))
             return model_card(entry, parent.client.adapter_replicas())
         return model_card(entry)
-
-    @staticmethod
-    def _runtime_entry(parent: ServedModel, name: str, path: str) -> ServedModel:
-        entry = copy.copy(parent)
-        entry.model_id, entry.lora_name, entry.parent, entry.lora_path = f"{parent.model_id}:{name}", name, \
-            parent.model_id, path
-        return entry
 
     def _adapter_target(self, lora_name: str) -> tuple[ServedModel, str]:
         """The model and adapter name a load/unload request's `lora_name` means: `<model_id>:<name>`,

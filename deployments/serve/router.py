@@ -96,6 +96,14 @@ class ServedModel:
                 variants.append(variant)
         return variants
 
+    def adapter(self, name: str, lora_path: str | None = None) -> "ServedModel":
+        """The entry of `<model_id>:<name>`, an adapter of this configured model loaded at run
+        time: from its `lora_modules_path`, or at `lora_path` for one added through the API."""
+        entry = copy.copy(self)
+        entry.model_id, entry.lora_name, entry.parent, entry.lora_path = (f"{self.model_id}:{name}", name,
+                                                                          self.model_id, lora_path)
+        return entry
+
     @property
     def from_store(self) -> bool:
         """Whether this ID is an adapter of the model's `lora_modules_path`."""
@@ -240,8 +248,7 @@ class ModelRouter:
                     else None)
             if path is None and parent.config.lora_modules_path is None:
                 raise ServingError.model_not_found(model, list(self.models))
-            entry = copy.copy(parent)
-            entry.model_id, entry.lora_name, entry.parent, entry.lora_path = model, name, parent_id, path
+            entry = parent.adapter(name, path)
             entry.metric_id = model if model in self.answered_adapters else f"{parent_id}:other"
         return entry
 
