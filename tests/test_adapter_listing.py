@@ -223,6 +223,10 @@ def test_adapters_added_at_run_time_answer_until_removed(tiny_model_dir, tmp_pat
             out["bad name"] = await load(lora_name="../x", lora_path=str(first))
             out["base"] = await load(lora_name="base", lora_path=str(first))
             out["other model"] = await load(lora_name="nope:x", lora_path=str(first))
+            out["3d"] = await load(lora_name="moe", lora_path=str(first), is_3d_lora_weight=True)
+            out["unknown field"] = await load(lora_name="moe", lora_path=str(first), pinned=True)
+            out["by id"] = await http.post("/v1/unload_lora_adapter", json={"lora_name": "cust", "lora_int_id": 1},
+                                           headers=auth)
             out["unload"] = await http.post("/v1/unload_lora_adapter", json={"lora_name": "cust"}, headers=auth)
             out["after"] = await http.post("/v1/chat/completions", json=chat, headers=auth)
             out["unload again"] = await http.post("/v1/unload_lora_adapter", json={"lora_name": "cust"},
@@ -243,6 +247,9 @@ def test_adapters_added_at_run_time_answer_until_removed(tiny_model_dir, tmp_pat
     assert out["missing path"].status_code == 404 and out["missing path"].json()["error"]["param"] == "lora_path"
     for case in ("bad name", "base", "other model"):
         assert out[case].status_code == 400 and out[case].json()["error"]["param"] == "lora_name", case
+    assert out["3d"].status_code == 400 and out["3d"].json()["error"]["param"] == "is_3d_lora_weight"
+    assert out["unknown field"].status_code == 400 and "pinned" in out["unknown field"].text
+    assert out["by id"].status_code == 400 and out["by id"].json()["error"]["param"] == "lora_int_id"
     assert out["unload"].status_code == 200 and out["after"].status_code == 404
     assert out["unload again"].status_code == 404
     assert len(engine.requests) == 2

@@ -314,6 +314,9 @@ class OpenAIIngress:
         checked now (it exists, it fits the base model), then loaded by each replica on its first
         request for it. 200 with vLLM's text; 400 when the name is taken (unless `load_inplace`)
         or the adapter does not fit; 404 when `lora_path` holds no adapter."""
+        if body.is_3d_lora_weight:
+            raise ServingError.invalid_request("is_3d_lora_weight is not supported: lmserve loads peft adapters "
+                                               "with 2-D LoRA weights", param="is_3d_lora_weight")
         parent, name = self._adapter_target(body.lora_name)
         local = await asyncio.to_thread(locate_adapter, body.lora_path)
         model_path = await asyncio.to_thread(resolve_model_path, parent.config.model_name_or_path) \
@@ -336,6 +339,9 @@ class OpenAIIngress:
         """Remove an adapter added with `load_lora_adapter` (vLLM's `/v1/unload_lora_adapter`):
         its ID answers 404 from then on (every replica within `LOOKUP_TTL_S`); replicas that
         hold its weights unload them as their LRU needs room. 404 when it was not added."""
+        if body.lora_int_id is not None:  # vLLM's engine-level id; each lmserve replica numbers its own
+            raise ServingError.invalid_request("lora_int_id is not supported: lmserve unloads adapters by "
+                                               "lora_name", param="lora_int_id")
         parent, name = self._adapter_target(body.lora_name)
         if not await asyncio.to_thread(self.router.lora_registry.remove, parent.model_id, name):
             raise ServingError(ErrorKind.NOT_FOUND, f"The lora adapter '{parent.model_id}:{name}' cannot be found.",

@@ -835,16 +835,22 @@ class GenerationDefaults(BaseModel):
 class LoadLoRAAdapterRequest(BaseModel):
     """`POST /v1/load_lora_adapter` (vLLM's `LoadLoRAAdapterRequest`): add adapter `lora_name`
     (`<model_id>:<name>`, or `<name>` when one model allows it) from `lora_path` (a local
-    directory or an fsspec URI); `load_inplace` replaces an adapter of that name."""
+    directory or an fsspec URI); `load_inplace` replaces an adapter of that name. Other fields
+    are refused (400)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: str
     lora_path: str
     load_inplace: bool = False
+    is_3d_lora_weight: bool = False  # vLLM's MoE adapters with 3-D expert weights: refused when true
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
     """`POST /v1/unload_lora_adapter` (vLLM's `UnloadLoRAAdapterRequest`); vLLM's `lora_int_id`
-    is taken and not used (lmserve names adapters, each replica numbers its own)."""
+    is refused with a 400 (lmserve names adapters, each replica numbers its own)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: str
     lora_int_id: int | None = None
