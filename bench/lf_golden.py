@@ -34,7 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
-TEMPLATES_OUT = REPO / "engines" / "data" / "llamafactory_templates.json"
+TEMPLATES_OUT = REPO / "engines" / "prompt" / "data" / "llamafactory_templates.json"
 FIXTURES_DIR = REPO / "tests" / "data" / "llamafactory"
 FIXTURES_OUT = FIXTURES_DIR / "templates.json.gz"
 FIXED_TODAY = "2026-07-04"  # llama3's tool prompt reads the clock; the fixtures freeze it
@@ -182,6 +182,9 @@ def export_templates(templates: dict) -> dict:
             "enable_thinking": t.enable_thinking,
             "preserve_thinking": t.preserve_thinking,
             "mm_plugin": type(t.mm_plugin).__name__,
+            # the plugin's placeholder tokens (None: the modality is not taken)
+            "mm_tokens": {"image": t.mm_plugin.image_token, "video": t.mm_plugin.video_token,
+                          "audio": t.mm_plugin.audio_token},
         }
     return out
 

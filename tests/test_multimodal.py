@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from conftest import TEST_API_KEY, collect, data_url, png_bytes, run, started_engine, text_of
-from engines.base import GenerationRequest, MediaInput, SamplingParams
+from engines.base import GenerationRequest, SamplingParams
 from engines.errors import ServingError
 from tiny_vlm import IMAGE_TOKEN, TOKENS_PER_IMAGE
 
@@ -217,12 +217,65 @@ def test_text_only_model_with_an_image_is_400_naming_it(client):
     assert body["param"] == "messages" and "model 'smollm2' does not accept images" in body["message"]
 
 
-def test_qwen2_vl_style_model_refuses_images_on_huggingface(model_dir, tmp_path):
-    """Its 3-D image positions are not what the batched decode passes: refused, not answered wrongly."""
+# ---- Qwen2-VL family: multimodal rotary positions in the batcher ----------------------------
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_vl(request, model_dir, tmp_path_factory):
+    """A tiny Qwen2-VL / Qwen2.5-VL (tests/tiny_vlm.py: attention sharpened, so that wrong
+    positions change the output), its renderer and a started engine."""
+    from engines.prompt.renderer import PromptRenderer
     from tiny_vlm import build_tiny_qwen2_vl
 
-    with started_engine(model_name_or_path=str(build_tiny_qwen2_vl(tmp_path / "qwen", model_dir))) as engine:
-        media = MediaInput(images=[RED], placeholder_prompt_ids=[1, 2])
-        with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported", match="use infer_backend: vllm"):
-            run(collect(engine, GenerationRequest("q", [1, 2, 3], SamplingParams(max_tokens=2), media=media)))
-        assert run(collect(engine, GenerationRequest("q", [1, 2, 3], SamplingParams(max_tokens=2))))[-1].usage
+    path = build_tiny_qwen2_vl(tmp_path_factory.mktemp(request.param) / "model", model_dir, variant=request.param)
+    with started_engine(model_name_or_path=str(path)) as engine:
+        yield path, PromptRenderer.from_pretrained(path), engine
+
+
+def transformers_greedy(path, ids, media, max_tokens):
+    """transformers' own `generate` on the same prompt ids and image inputs (the oracle)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = torch.tensor([ids])
+    extra = {**media.model_inputs, "mm_token_type_ids": (inputs == model.config.image_token_id).int()}
+    out = model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), **extra,
+                         max_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_qwen2_vl_greedy_equals_transformers_alone_batched_and_with_n(qwen_vl):
+    path, renderer, engine = qwen_vl
+    wide = Image.new("RGB", (120, 50), (0, 120, 255))
+    ids, media = renderer.render_chat_with_images(ask(wide, text="Describe it."), [wide])
+    expected = renderer.tokenizer.decode(transformers_greedy(path, ids, media, 12))
+    request = GenerationRequest("i", ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), media=media)
+    assert text_of(run(collect(engine, request))) == expected
+
+    text_ids = renderer.render_chat([{"role": "user", "content": "Tell me a long story about a cat. " * 3}])
+    alone_text = text_of(run(collect(engine, GenerationRequest("t", text_ids, SamplingParams(temperature=0,
+                                                                                               max_tokens=16)))))
+
+    async def together():
+        requests = [GenerationRequest("t", text_ids, SamplingParams(temperature=0, max_tokens=16)),
+                    GenerationRequest("i", ids, SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True),
+                                      media=media)]
+        return await asyncio.gather(*(collect(engine, r) for r in requests))
+
+    text, image = run(together())
+    assert text_of(text) == alone_text
+    assert text_of(image, 0) == text_of(image, 1) == expected
+
+
+def test_qwen2_vl_with_llamafactory_template_equals_transformers(qwen_vl):
+    """LLaMA-Factory's qwen2_vl template renders the prompt (tests/test_mm_plugins.py checks its
+    ids against LLaMA-Factory's); the engine answers as transformers does on those ids."""
+    from engines.prompt.renderer import PromptRenderer
+
+    path, _, engine = qwen_vl
+    renderer = PromptRenderer.from_pretrained(path, template="qwen2_vl")
+    ids, media = renderer.render_chat_with_images(ask(RED, BLUE), [RED, BLUE])
+    expected = renderer.tokenizer.decode(transformers_greedy(path, ids, media, 10))
+    request = GenerationRequest("i", ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), media=media)
+    assert text_of(run(collect(engine, request))) == expected

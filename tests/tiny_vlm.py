@@ -24,8 +24,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Write the model, processor and generation config to `out`; return `out`."""
+def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
+    """Write the model, processor and generation config to `out`; return `out`. Without
+    `weights`, the config alone stands for the model (enough to render prompts)."""
     import torch
     from transformers import (AutoTokenizer, CLIPVisionConfig, GenerationConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
@@ -49,28 +50,79 @@ def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
                               image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id,
                          vision_feature_select_strategy="default", vision_feature_layer=-1)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    model.save_pretrained(out)
+    if weights:
+        torch.manual_seed(seed)
+        LlavaForConditionalGeneration(config).eval().save_pretrained(out)
+    else:
+        config.save_pretrained(out)
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out
 
 
-def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A tiny random Qwen2-VL (multimodal rotary positions) with the default model's tokenizer;
-    model files only (no processor): enough to load it on the huggingface backend."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen2-VL's own chat template (its tokenizer_config.json), trimmed to images: each image part
+# becomes <|vision_start|><|image_pad|><|vision_end|>, which the processing expands.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Small images: 28x28-pixel patches merged 2x2, so 4 to 16 image tokens per image.
+QWEN2_VL_MIN_PIXELS, QWEN2_VL_MAX_PIXELS = 56 * 56, 112 * 112
+QK_SCALE = 12.0
 
+
+def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0, variant: str = "qwen2_vl",
+                        weights: bool = True) -> Path:
+    """A tiny random Qwen2-VL (`variant` "qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl"): multimodal
+    rotary positions, a 1-layer vision tower with 14-pixel patches merged 2x2, a 2-layer language
+    model, the default model's tokenizer with Qwen2-VL's vision tokens added, Qwen2-VL's chat
+    template and its image processor (PIL backend: no torchvision), as in a Qwen2-VL checkpoint.
+    Without `weights`, the config alone stands for the model (enough to render prompts)."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if variant == "qwen2_vl":
+        from transformers import Qwen2VLConfig as Config
+        from transformers import Qwen2VLForConditionalGeneration as Model
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2)
+    else:
+        from transformers import Qwen2_5_VLConfig as Config
+        from transformers import Qwen2_5_VLForConditionalGeneration as Model
+        vision = dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, window_size=56, fullatt_block_indexes=[0])
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2,
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_TOKENS})
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+           zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), QWEN2_VL_TOKENS)}
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=eos_id,
+                         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
                          rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2))
-    torch.manual_seed(seed)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(out)
+        vision_config=vision, **ids)
+    if weights:
+        torch.manual_seed(seed)
+        model = Model(config).eval()
+        # Random weights give near-uniform attention, where positions change nothing: sharpen the
+        # language model's attention so that a wrong rotary position changes the output.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "language_model" in name and name.endswith(("q_proj.weight", "k_proj.weight")):
+                    param.mul_(QK_SCALE)
+        model.save_pretrained(out)
+    else:
+        config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=QWEN2_VL_MIN_PIXELS, max_pixels=QWEN2_VL_MAX_PIXELS)
+    image_processor.save_pretrained(out)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out

@@ -537,14 +537,11 @@ class HuggingFaceEngine(Engine):
         if not self._accepts_images:
             raise ServingError.not_supported(f"model {self.config.model_name_or_path!r} does not accept images",
                                              param="messages")
-        if self._mrope:
-            # Batched decode passes 1-D positions; these models need their 3-D image positions.
-            raise ServingError.not_supported(
-                f"images on model {self.config.model_name_or_path!r} (multimodal rotary positions, Qwen2-VL style) "
-                "are not supported by the huggingface backend; use infer_backend: vllm", param="messages")
         model = self._model
+        # The batcher computes multimodal rotary positions itself (`multimodal_rope_index`).
         return {k: v.to(model.device, dtype=model.dtype if v.is_floating_point() else v.dtype)
-                if hasattr(v, "to") else v for k, v in request.media.model_inputs.items()}
+                if hasattr(v, "to") else v for k, v in request.media.model_inputs.items()
+                if k != "mm_token_type_ids"}
 
     def _new_state(self, request: GenerationRequest) -> _RequestState:
         import torch

@@ -134,6 +134,9 @@ class _Row:
     generated: list[int] = field(default_factory=list)
     finished: bool = False
     matcher: Any = None  # xgrammar.GrammarMatcher of a constrained row (`request.grammar`)
+    # multimodal rotary positions (Qwen2-VL and kin): the row's next position is its number of
+    # tokens plus this (negative after an image: its tokens share positions); 0 for text
+    rope_delta: int = 0
 
     @property
     def done(self) -> bool:
@@ -144,13 +147,16 @@ class _Row:
 class _Prefill:
     """Admitted prompts being prefilled a chunk of columns per step.
 
-    Shapes: `ids`, `mask`, `positions` (prompts, padded length); `done` columns are in `cache`.
+    Shapes: `ids`, `mask` (prompts, padded length); `positions` the same, or (3, prompts, padded
+    length) for a prompt with images on a model with multimodal rotary positions; `done` columns
+    are in `cache`.
     """
 
     requests: list[BatchRequest]
     ids: torch.Tensor
     mask: torch.Tensor
     positions: torch.Tensor
+    rope_deltas: list[int] | None = None  # per prompt, with 3-D `positions` (`_Row.rope_delta`)
     cache: Any = None
     done: int = 0
 
@@ -223,6 +229,7 @@ class ContinuousBatcher:
         # `logits_to_keep` (as transformers' `generate` does): the LM head over every prompt
         # position was 15-24 % of a prefill of SmolLM2-135M (49152-token vocabulary) on CPU.
         self._last_logits = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
+        self._rope_index = multimodal_rope_index(model)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.use_kv_cache = use_kv_cache
@@ -577,9 +584,23 @@ class ContinuousBatcher:
             mask[i, width - len(request.prompt_ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         job = _Prefill(admitted, ids, mask, positions)
+        if self._rope_index is not None and admitted[0].model_inputs:
+            self._multimodal_positions(job)
         if self.prefix_cache is not None:
             self._reuse_prefixes(job)
         return job
+
+    def _multimodal_positions(self, job: _Prefill) -> None:
+        """Give `job` (one prompt with images, admitted alone) the 3-D rotary positions of its
+        image tokens and their rope delta, as transformers computes them (`get_rope_index`:
+        temporal, height and width indices of each image's grid; text counts on from the largest
+        position before it)."""
+        rope_index, image_token_id = self._rope_index
+        inputs = job.requests[0].model_inputs
+        token_types = (job.ids == image_token_id).int()
+        positions, deltas = rope_index(job.ids, mm_token_type_ids=token_types,
+                                       image_grid_thw=inputs.get("image_grid_thw"), attention_mask=job.mask)
+        job.positions, job.rope_deltas = positions, [int(d) for d in deltas.view(-1).tolist()]
 
     @staticmethod
     def _cache_namespace(request: BatchRequest) -> str | None:
@@ -697,7 +718,10 @@ class ContinuousBatcher:
             return False
         index = torch.tensor(keep, device=self.device)
         job.requests = [job.requests[i] for i in keep]
-        job.ids, job.mask, job.positions = (t.index_select(0, index) for t in (job.ids, job.mask, job.positions))
+        job.ids, job.mask, job.positions = (t.index_select(t.dim() - 2, index)
+                                            for t in (job.ids, job.mask, job.positions))
+        if job.rope_deltas is not None:
+            job.rope_deltas = [job.rope_deltas[i] for i in keep]
         if job.cache is not None:
             select_cache_rows(job.cache, index)
         return True
@@ -715,7 +739,7 @@ class ContinuousBatcher:
         # prefill that wants them computes the LM head over its whole chunk.
         wants_prompt = any(r.params.prompt_logprobs is not None for r in admitted)
         out = self.model(input_ids=job.ids[:, start:end], attention_mask=job.mask[:, :end],
-                         position_ids=job.positions[:, start:end], past_key_values=job.cache,
+                         position_ids=job.positions[..., start:end], past_key_values=job.cache,
                          use_cache=self.use_kv_cache, **media, **self._adapter_kwargs(admitted),
                          **({} if wants_prompt else self._last_logits))
         if wants_prompt:
@@ -728,8 +752,10 @@ class ContinuousBatcher:
         repeat = torch.tensor([r.params.n for r in admitted], device=self.device)
         row_of = torch.repeat_interleave(torch.arange(len(admitted), device=self.device), repeat)
         logits = out.logits[:, -1, :].float().index_select(0, row_of)
-        new_rows = [_Row(request, index, matcher=grammar_matcher(request.grammar) if request.grammar else None)
-                    for request in admitted for index in range(request.params.n)]
+        deltas = job.rope_deltas or [0] * len(admitted)
+        new_rows = [_Row(request, index, matcher=grammar_matcher(request.grammar) if request.grammar else None,
+                         rope_delta=delta)
+                    for request, delta in zip(admitted, deltas) for index in range(request.params.n)]
         new_cache = None
         if self.prefix_cache is not None:
             self._note_prefix_cache(job.cache)
@@ -797,6 +823,8 @@ class ContinuousBatcher:
         if self.use_kv_cache:
             mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=1)
             positions = (mask.sum(-1, keepdim=True) - 1)
+            if any(r.rope_delta for r in self._rows):
+                positions = positions + torch.tensor([[r.rope_delta] for r in self._rows], device=self.device)
             out = self.model(input_ids=self._next_tokens[:, None], attention_mask=mask, position_ids=positions,
                              past_key_values=self._cache, use_cache=True,
                              **self._adapter_kwargs([r.request for r in self._rows]))
@@ -813,7 +841,10 @@ class ContinuousBatcher:
 
     def _full_forward(self, row: _Row) -> torch.Tensor:
         ids = torch.tensor([row.request.prompt_ids + row.generated], device=self.device)
-        return self.model(input_ids=ids, use_cache=False, **(row.request.model_inputs or {}),
+        media = row.request.model_inputs or {}
+        if media and self._rope_index is not None:  # the model computes the positions of the whole sequence
+            media = {**media, "mm_token_type_ids": (ids == self._rope_index[1]).int()}
+        return self.model(input_ids=ids, use_cache=False, **media,
                           **self._adapter_kwargs([row.request]), **self._last_logits).logits[:, -1, :].float()
 
     def _adapter_kwargs(self, requests: list[BatchRequest]) -> dict:
@@ -902,6 +933,20 @@ def _config_cache_mergeable(model: Any) -> bool:
         return mergeable_cache(DynamicCache(config=model.config))
     except Exception:  # noqa: BLE001 - a config without layer types: the first prefill's cache tells
         return False
+
+
+def multimodal_rope_index(model: Any) -> tuple[Callable[..., Any], int] | None:
+    """For a model with multimodal rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V...:
+    a module with transformers' `get_rope_index(input_ids, mm_token_type_ids, image_grid_thw,
+    video_grid_thw, attention_mask)` -> positions `(3, batch, length)`, deltas `(batch, 1)`):
+    that method and the model's image token id; None for other models."""
+    image_token_id = getattr(model.config, "image_token_id", None)
+    if image_token_id is None:
+        return None
+    for module in model.modules():
+        if callable(getattr(module, "get_rope_index", None)):
+            return module.get_rope_index, image_token_id
+    return None
 
 
 def supports_logits_to_keep(model: Any) -> bool:

@@ -33,6 +33,8 @@ from engines.base import MediaInput, SamplingParams
 from engines.prompt.templates import TOKENIZER_TEMPLATE, ChatTemplate, TemplateError, get_template, parse_template
 from engines.errors import ServingError
 from engines.prompt.media import fit_pixels
+from engines.prompt.mm_plugins import (IMAGE_PLACEHOLDER, PLUGIN_BY_MODEL_TYPE, ImageOnlyProcessor, ImagePlugin,
+                                       expand_image_tokens, get_image_plugin, plugin_for_model_type)
 from engines.prompt.reasoning import ThoughtWords, prompt_opens_thought, thought_words_for
 
 logger = logging.getLogger(__name__)
@@ -252,6 +254,13 @@ class PromptRenderer:
         """The LLaMA-Factory template's prompt ids: messages mapped as its API maps them; the
         user and tool turns (rendered whole by every template) bound the prompt's length before
         it is tokenized."""
+        self._check_template_request(messages, add_generation_prompt, template_kwargs)
+        system, turns = to_llamafactory_messages(messages)
+        return self._encode_turns(system, turns, tools, template_kwargs, context_length)
+
+    def _check_template_request(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                                template_kwargs: dict[str, Any]) -> None:
+        """Refuse what a LLaMA-Factory template cannot render (ServingError(INVALID_REQUEST))."""
         if not messages:
             raise ServingError.invalid_request("messages must not be empty", param="messages")
         unknown = sorted(set(template_kwargs) - {"enable_thinking"})
@@ -263,10 +272,13 @@ class PromptRenderer:
             raise ServingError.invalid_request(
                 f"LLaMA-Factory template {self.template.name!r} always ends the prompt with the assistant's "
                 "turn (add_generation_prompt: false is not supported)", param="add_generation_prompt")
+
+    def _encode_turns(self, system: str | None, turns: list[dict[str, str]], tools: list[dict[str, Any]] | None,
+                      template_kwargs: dict[str, Any], context_length: int | None) -> list[int]:
+        """The LLaMA-Factory template's prompt ids of `turns` (LLaMA-Factory's roles)."""
         template = self.template
         if "enable_thinking" in template_kwargs and self._variants:
             template = self._variants[bool(template_kwargs["enable_thinking"])]
-        system, turns = to_llamafactory_messages(messages)
         if not turns or turns[-1]["role"] not in ("user", "observation"):
             raise ServingError.invalid_request(
                 f"with LLaMA-Factory template {template.name!r} the last message must be from the user or a tool "
@@ -302,11 +314,12 @@ class PromptRenderer:
         if not self.accepts_images:
             raise ServingError.not_supported("this model does not accept images", param="messages")
         if self.template is not None:
-            raise ServingError.not_supported(
-                f"images with LLaMA-Factory template {self.template.name!r} are not served; unset `template` to "
-                "render with the processor's chat template", param="messages")
+            return self._render_images_with_template(messages, images, tools, add_generation_prompt,
+                                                     template_kwargs, context_length)
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=len(images))
         self.check_prompt_chars(text, context_length)  # image tokens only add to it
+        if isinstance(self.processor, ImageOnlyProcessor):
+            return self._expand_image_tokens(text, images)
         fitted = [fit_pixels(image, self.image_max_pixels, self.image_min_pixels) for image in images]
         try:
             out = self.processor(text=text, images=fitted, add_special_tokens=False, return_tensors="pt")
@@ -317,6 +330,65 @@ class PromptRenderer:
         model_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
         placeholder_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return prompt_ids, MediaInput(images=fitted, placeholder_prompt_ids=placeholder_ids, model_inputs=model_inputs)
+
+    def _image_inputs(self, plugin: ImagePlugin, images: list[Any]) -> tuple[list[Any], dict[str, Any], list[int]]:
+        """The plugin's preprocessed images, the image processor's tensors and each image's
+        number of tokens.
+
+        Raises:
+            ServingError(INVALID_REQUEST): the image processor refuses an image.
+        """
+        fitted = [plugin.preprocess(image, self.image_max_pixels, self.image_min_pixels) for image in images]
+        try:
+            inputs = plugin.model_inputs(fitted, self.processor)
+        except Exception as exc:  # image processors raise ValueError, IndexError... on bad input
+            raise ServingError.invalid_request(f"the model's image processor could not take the images: "
+                                               f"{type(exc).__name__}: {exc}", param="messages") from exc
+        return fitted, inputs, plugin.image_seqlens(inputs, self.processor, len(fitted))
+
+    def _expand_image_tokens(self, text: str, images: list[Any]) -> tuple[list[int], MediaInput]:
+        """The chat template's `text` with its image tokens expanded (`ImageOnlyProcessor`)."""
+        processor = self.processor
+        plugin = plugin_for_model_type(processor.model_type, processor.image_token)
+        fitted, inputs, seqlens = self._image_inputs(plugin, images)
+        expanded = expand_image_tokens(text, processor.image_token, seqlens)
+        prompt_ids = self.tokenizer.encode(expanded, add_special_tokens=False)
+        placeholder_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return prompt_ids, MediaInput(images=fitted, placeholder_prompt_ids=placeholder_ids, model_inputs=inputs)
+
+    def _render_images_with_template(self, messages: list[dict[str, Any]], images: list[Any],
+                                     tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
+                                     template_kwargs: dict[str, Any],
+                                     context_length: int | None) -> tuple[list[int], MediaInput]:
+        """A LLaMA-Factory template's prompt with images, as LLaMA-Factory's API and engine make
+        it (`api/chat.py`: each `image_url` part becomes an `<image>` placeholder in its message's
+        text; `chat/hf_engine.py` `_process_args`: with no placeholder in any message, one per
+        image is put before the first message's text; the template's plugin expands them)."""
+        template = self.template
+        plugin = get_image_plugin(template.mm_plugin, template.mm_tokens, template.name)
+        plugin.check(template.name)
+        self._check_template_request(messages, add_generation_prompt, template_kwargs)
+        system, turns = to_llamafactory_messages(messages, images=True)
+        found = sum(t["content"].count(IMAGE_PLACEHOLDER) for t in turns)
+        if system and IMAGE_PLACEHOLDER in system:
+            raise ServingError.invalid_request("LLaMA-Factory templates take no images in the system message",
+                                               param="messages")
+        if found == 0 and turns:
+            turns[0] = {**turns[0], "content": IMAGE_PLACEHOLDER * len(images) + turns[0]["content"]}
+        elif found != len(images):
+            raise ServingError.invalid_request(
+                f"the messages have {found} image placeholders ({IMAGE_PLACEHOLDER}) for {len(images)} images; "
+                f"LLaMA-Factory template {template.name!r} takes one per image", param="messages")
+        fitted, inputs, seqlens = self._image_inputs(plugin, images)
+        contents = [t["content"] for t in turns]
+
+        def encode(expansion: list[int]) -> list[int]:
+            expanded = [{**t, "content": c} for t, c in zip(turns, plugin.expand_placeholders(contents, expansion))]
+            return self._encode_turns(system, expanded, tools, template_kwargs, context_length)
+
+        prompt_ids = encode(seqlens)
+        placeholder_ids = encode([1] * len(seqlens))  # LLaMA-Factory's `expand_mm_tokens: false`
+        return prompt_ids, MediaInput(images=fitted, placeholder_prompt_ids=placeholder_ids, model_inputs=inputs)
 
     def _render_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      add_generation_prompt: bool, template_kwargs: dict[str, Any], num_images: int) -> str:
@@ -491,7 +563,8 @@ def _component_types(spec: dict | None) -> set[str]:
     return {c.get("type") for c in _components(spec)}
 
 
-def to_llamafactory_messages(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, str]]]:
+def to_llamafactory_messages(messages: list[dict[str, Any]],
+                             images: bool = False) -> tuple[str | None, list[dict[str, str]]]:
     """OpenAI messages -> (system prompt, LLaMA-Factory turns), as LLaMA-Factory's API maps them
     (`api/chat.py` `_process_request`): a leading `system`/`developer` message is the system
     prompt; `user` stays `user`; an assistant message with `tool_calls` becomes a `function`
@@ -501,15 +574,18 @@ def to_llamafactory_messages(messages: list[dict[str, Any]]) -> tuple[str | None
     the object LLaMA-Factory's training data holds, instead of being encoded twice; and the
     roles need not alternate (its templates render any order).
 
+    With `images`, an `image_url` part becomes LLaMA-Factory's `<image>` placeholder in the
+    text, where it stands (as its API does).
+
     Raises:
         ServingError(INVALID_REQUEST): a system message after the first, an unknown role.
-        ServingError(NOT_SUPPORTED): a content part other than text.
+        ServingError(NOT_SUPPORTED): a content part other than text (and, with `images`, image_url).
     """
     system = None
     turns = []
     for index, message in enumerate(messages):
         role = message.get("role")
-        content = _text_content(index, message)
+        content = _text_content(index, message, images)
         if role in SYSTEM_ROLES:
             if index != 0:
                 raise ServingError.invalid_request(
@@ -533,7 +609,7 @@ def to_llamafactory_messages(messages: list[dict[str, Any]]) -> tuple[str | None
     return system, turns
 
 
-def _text_content(index: int, message: dict[str, Any]) -> str:
+def _text_content(index: int, message: dict[str, Any], images: bool = False) -> str:
     content = message.get("content")
     if content is None:
         return ""
@@ -541,10 +617,14 @@ def _text_content(index: int, message: dict[str, Any]) -> str:
         return content
     texts = []
     for part in content:
+        if part.get("type") == "image_url" and images:
+            texts.append(IMAGE_PLACEHOLDER)
+            continue
         if part.get("type") != "text":
             raise ServingError.not_supported(
                 f"messages[{index}].content: content part type {part.get('type')!r} is not supported with "
-                "LLaMA-Factory templates (text only)", param=f"messages[{index}].content")
+                f"LLaMA-Factory templates ({'text and image_url' if images else 'text'} only)",
+                param=f"messages[{index}].content")
         texts.append(part.get("text", ""))
     return "".join(texts)
 
@@ -562,8 +642,25 @@ def load_image_processor(model_dir: str | Path, trust_remote_code: bool = False)
     config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     if getattr(config, "vision_config", None) is None:
         return None
-    processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    try:
+        processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except (ImportError, AttributeError, ValueError):
+        # Qwen2-VL's processor needs torchvision (its video processor), which this environment
+        # keeps out; its image processor has a PIL backend, and its expansion is ours.
+        if config.model_type not in PLUGIN_BY_MODEL_TYPE:
+            raise
+        return _image_only_processor(model_dir, config, trust_remote_code)
     return processor if getattr(processor, "image_processor", None) is not None else None
+
+
+def _image_only_processor(model_dir: str | Path, config: Any, trust_remote_code: bool) -> ImageOnlyProcessor:
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    image_processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil",
+                                                         trust_remote_code=trust_remote_code)
+    image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
+    return ImageOnlyProcessor(image_processor, tokenizer, tokenizer.chat_template, image_token, config.model_type)
 
 
 def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:

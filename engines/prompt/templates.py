@@ -85,7 +85,8 @@ class ChatTemplate:
     replace_eos: bool = False
     enable_thinking: bool | None = True
     preserve_thinking: bool = False
-    mm_plugin: str = "BasePlugin"
+    mm_plugin: str = "BasePlugin"  # LLaMA-Factory's multimodal plugin class (engines/prompt/mm_plugins.py)
+    mm_tokens: dict[str, str | None] = field(default_factory=dict)  # its image/video/audio tokens
 
     @property
     def is_reasoning(self) -> bool:

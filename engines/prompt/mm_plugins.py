@@ -1,0 +1,214 @@
+"""LLaMA-Factory's multimodal plugins for images, as lmserve's own code.
+
+LLaMA-Factory pairs each template with a plugin (`src/llamafactory/data/mm_plugin.py`, 0.9.5,
+Apache-2.0) that turns the `<image>` placeholders of a conversation into the tokens the model was
+trained with, and the images into the model's inputs: `_preprocess_image` resizes each image
+within `image_max_pixels`/`image_min_pixels` (and the plugin's own rules), the processor's image
+processor makes the tensors, and `process_messages` replaces each placeholder by the image's
+tokens. lmserve does the same here, so that a fine-tune served with its template sees the prompt
+ids and pixel values it was trained on (`tests/test_mm_plugins.py` compares both with fixtures
+written by LLaMA-Factory itself).
+
+Built: `base` (no images: a template without an image slot refuses them), `llava`, `qwen2_vl`
+(Qwen2-VL and Qwen2.5-VL templates) and `qwen3_vl` (its images expand as `qwen2_vl`'s). Every
+other plugin of LLaMA-Factory is refused with a 400 naming it, and so are videos and audio on
+every plugin.
+
+The same expansion serves models without a LLaMA-Factory template whose transformers processor
+cannot be built here (Qwen2-VL's needs torchvision for its video processor):
+`ImageOnlyProcessor` holds the image processor and the tokenizer, and `expand_image_tokens`
+expands the image tokens of the model's own chat template as its processor would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from engines.errors import ServingError
+
+IMAGE_PLACEHOLDER = "<image>"  # LLaMA-Factory's `extras/constants.py`
+
+#: LLaMA-Factory's plugin classes (the templates data names them) -> plugin names (`PLUGINS`).
+PLUGIN_NAMES = {
+    "BasePlugin": "base", "ErnieVLPlugin": "ernie_vl", "Gemma3Plugin": "gemma3", "Gemma3nPlugin": "gemma3n",
+    "Gemma4Plugin": "gemma4", "GLM4VPlugin": "glm4v", "InternVLPlugin": "intern_vl", "KimiVLPlugin": "kimi_vl",
+    "Llama4Plugin": "llama4", "LlavaPlugin": "llava", "LlavaNextPlugin": "llava_next",
+    "LlavaNextVideoPlugin": "llava_next_video", "LFMVLPlugin": "lfm2_vl", "MiniCPMVPlugin": "minicpm_v",
+    "MiniCPMV4_6Plugin": "minicpm_v_4_6", "MllamaPlugin": "mllama", "PaliGemmaPlugin": "paligemma",
+    "PixtralPlugin": "pixtral", "Qwen2AudioPlugin": "qwen2_audio", "Qwen2OmniPlugin": "qwen2_omni",
+    "Qwen2VLPlugin": "qwen2_vl", "Qwen3VLPlugin": "qwen3_vl", "VideoLlavaPlugin": "video_llava",
+    "YoutuVLPlugin": "youtu_vl",
+}
+
+#: transformers model types served without their transformers processor -> the plugin whose
+#: expansion their processor does (`Qwen2VLProcessor`: each image token becomes
+#: `image_grid_thw.prod() // merge_size**2` of them).
+PLUGIN_BY_MODEL_TYPE = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl",
+                        "qwen3_vl_moe": "qwen3_vl"}
+
+
+@dataclass
+class ImageOnlyProcessor:
+    """What lmserve needs of a vision-language model's processor, for models whose transformers
+    processor cannot be built in this environment: the image processor (transformers' PIL
+    backend, no torchvision), the tokenizer and the chat template."""
+
+    image_processor: Any
+    tokenizer: Any
+    chat_template: str | None
+    image_token: str
+    model_type: str  # transformers' (`PLUGIN_BY_MODEL_TYPE`)
+
+
+class ImagePlugin:
+    """LLaMA-Factory's `BasePlugin` for images: a template whose plugin has no image token takes
+    no images.
+
+    Args:
+        image_token: the plugin's image token (LLaMA-Factory's `get_mm_plugin(image_token=...)`),
+            None where the template takes no images.
+    """
+
+    name = "base"
+
+    def __init__(self, image_token: str | None = None):
+        self.image_token = image_token
+
+    def check(self, template_name: str) -> None:
+        """Raises ServingError(NOT_SUPPORTED) naming the template where images cannot be served."""
+        if self.image_token is None:
+            raise ServingError.not_supported(
+                f"LLaMA-Factory template {template_name!r} takes no images (its multimodal plugin is "
+                f"{self.name!r}); serve the model with the template it was trained with", param="messages")
+
+    def preprocess(self, image: Any, max_pixels: int, min_pixels: int) -> Any:
+        """`_preprocess_image`: scale `image` (a PIL image) into [`min_pixels`, `max_pixels`]
+        (width x height, aspect ratio kept, sides truncated), then convert it to RGB."""
+        if image.width * image.height > max_pixels:
+            factor = math.sqrt(max_pixels / (image.width * image.height))
+            image = image.resize((int(image.width * factor), int(image.height * factor)))
+        if image.width * image.height < min_pixels:
+            factor = math.sqrt(min_pixels / (image.width * image.height))
+            image = image.resize((int(image.width * factor), int(image.height * factor)))
+        return image if image.mode == "RGB" else image.convert("RGB")
+
+    def model_inputs(self, images: list[Any], processor: Any) -> dict[str, Any]:
+        """`_get_mm_inputs` for preprocessed images: the image processor's tensors."""
+        return dict(processor.image_processor(images, return_tensors="pt"))
+
+    def image_seqlens(self, model_inputs: dict[str, Any], processor: Any, count: int) -> list[int]:
+        """How many image tokens each of `count` images becomes."""
+        raise NotImplementedError
+
+    def image_text(self, seqlen: int) -> str:
+        """The text that replaces one image placeholder (`process_messages`)."""
+        return self.image_token * seqlen
+
+    def expand_placeholders(self, texts: list[str], seqlens: list[int]) -> list[str]:
+        """Replace the `<image>` placeholders of `texts` (the turns' contents, in order) by the
+        images' tokens, one image per placeholder, as `process_messages` does."""
+        out, index = [], 0
+        for text in texts:
+            pieces = text.split(IMAGE_PLACEHOLDER)  # an image's text may hold the placeholder (LLaVA's)
+            expanded = [pieces[0]]
+            for piece in pieces[1:]:
+                expanded += [self.image_text(seqlens[index]), piece]
+                index += 1
+            out.append("".join(expanded))
+        return out
+
+
+class LlavaPlugin(ImagePlugin):
+    """`LlavaPlugin`: every image becomes the same number of image tokens, from the processor's
+    `patch_size`, `num_additional_image_tokens` and `vision_feature_select_strategy` and the
+    size of the first image's pixel values."""
+
+    name = "llava"
+
+    def image_seqlens(self, model_inputs: dict[str, Any], processor: Any, count: int) -> list[int]:
+        height, width = model_inputs["pixel_values"][0].shape[-2:]
+        patch = processor.patch_size
+        seqlen = (height // patch) * (width // patch) + processor.num_additional_image_tokens
+        if processor.vision_feature_select_strategy == "default":
+            seqlen -= 1
+        return [int(seqlen)] * count
+
+
+class Qwen2VLPlugin(ImagePlugin):
+    """`Qwen2VLPlugin`: an image is at least 28 pixels on each side and at most 200:1; it
+    becomes `<|vision_start|>` + `image_grid_thw.prod() // merge_size**2` image tokens +
+    `<|vision_end|>`."""
+
+    name = "qwen2_vl"
+    vision_bos_token = "<|vision_start|>"
+    vision_eos_token = "<|vision_end|>"
+
+    def preprocess(self, image: Any, max_pixels: int, min_pixels: int) -> Any:
+        image = super().preprocess(image, max_pixels, min_pixels)
+        if min(image.width, image.height) < 28:
+            image = image.resize((max(image.width, 28), max(image.height, 28)))
+        if image.width / image.height > 200:
+            image = image.resize((image.height * 180, image.height))
+        if image.height / image.width > 200:
+            image = image.resize((image.width, image.width * 180))
+        return image
+
+    def image_seqlens(self, model_inputs: dict[str, Any], processor: Any, count: int) -> list[int]:
+        merge_length = processor.image_processor.merge_size ** 2
+        return [int(grid.prod()) // merge_length for grid in model_inputs["image_grid_thw"]]
+
+    def image_text(self, seqlen: int) -> str:
+        return f"{self.vision_bos_token}{self.image_token * seqlen}{self.vision_eos_token}"
+
+
+class Qwen3VLPlugin(Qwen2VLPlugin):
+    """`Qwen3VLPlugin`: images as `Qwen2VLPlugin` (it differs in videos, which lmserve refuses)."""
+
+    name = "qwen3_vl"
+
+
+_BUILT = {plugin.name: plugin for plugin in (ImagePlugin, LlavaPlugin, Qwen2VLPlugin, Qwen3VLPlugin)}
+
+
+def get_image_plugin(plugin_class: str, tokens: dict[str, str | None], template_name: str) -> ImagePlugin:
+    """The image plugin of a LLaMA-Factory template, from its data (`mm_plugin`, `mm_tokens`).
+
+    Raises:
+        ServingError(NOT_SUPPORTED): a plugin lmserve does not serve images with yet, naming it.
+    """
+    name = PLUGIN_NAMES.get(plugin_class, plugin_class)
+    image_token = tokens.get("image")
+    if name not in _BUILT:
+        if image_token is None:
+            return ImagePlugin(None)
+        raise ServingError.not_supported(
+            f"images with LLaMA-Factory template {template_name!r} (multimodal plugin {name!r}) are not served by "
+            f"lmserve yet; plugins served: {', '.join(sorted(n for n in _BUILT if n != 'base'))}", param="messages")
+    return _BUILT[name](image_token)
+
+
+def plugin_for_model_type(model_type: str, image_token: str) -> ImagePlugin | None:
+    """The plugin whose expansion the transformers processor of `model_type` does, or None."""
+    name = PLUGIN_BY_MODEL_TYPE.get(model_type)
+    return _BUILT[name](image_token) if name else None
+
+
+def expand_image_tokens(text: str, image_token: str, seqlens: list[int]) -> str:
+    """Each occurrence of `image_token` in `text` (a chat template's output, one per image) made
+    `seqlens[i]` of it, in order, as transformers' Qwen2-VL processor does.
+
+    Raises:
+        ServingError(INVALID_REQUEST): the text holds another number of image tokens than images
+            (a message typed the token itself).
+    """
+    pieces = text.split(image_token)
+    if len(pieces) - 1 != len(seqlens):
+        raise ServingError.invalid_request(
+            f"the prompt holds {len(pieces) - 1} image tokens ({image_token}) for {len(seqlens)} images; a message "
+            "must not contain the model's image token", param="messages")
+    out = [pieces[0]]
+    for seqlen, piece in zip(seqlens, pieces[1:]):
+        out += [image_token * seqlen, piece]
+    return "".join(out)

@@ -1,0 +1,172 @@
+"""Images with LLaMA-Factory templates: lmserve's multimodal plugins (engines/prompt/mm_plugins.py)
+against fixtures written by LLaMA-Factory 0.9.5 itself (bench/lf_golden_mm.py).
+
+Every case: a tiny vision-language model's processor (tests/tiny_vlm.py, no weights), a template,
+image bounds and a conversation with images; LLaMA-Factory's prompt ids and image inputs, or its
+refusal. lmserve's ids must be equal; its pixel values (transformers' PIL image processor here,
+the torchvision one in LLaMA-Factory's environment) within the resize backends' difference.
+"""
+
+import copy
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.lf_golden_mm import make_image
+from deployments.openai.errors import to_error_response
+from engines.errors import ServingError
+from engines.prompt.mm_plugins import (IMAGE_PLACEHOLDER, ImageOnlyProcessor, expand_image_tokens, get_image_plugin)
+from engines.prompt.renderer import PromptRenderer
+from engines.prompt.templates import get_template
+
+DATA = Path(__file__).parent / "data" / "llamafactory"
+FIXTURES = json.loads(gzip.decompress((DATA / "mm_plugins.json.gz").read_bytes()))
+CASES = FIXTURES["cases"]
+
+
+def status_400(exc: ServingError) -> bool:
+    return to_error_response(exc)[0] == 400
+
+
+def case_id(case: dict) -> str:
+    options = "-".join(f"{k.removeprefix('image_')}{v}" for k, v in case["options"].items()) or "defaults"
+    return f"{case['model']}-{case['template']}-{options}-{case['conversation']}"
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    from tiny_vlm import build_tiny_llava, build_tiny_qwen2_vl
+
+    root = tmp_path_factory.mktemp("mm-plugins")
+    tokenizer = root / "tokenizer"
+    tokenizer.mkdir()
+    for path in (DATA / "smollm2-tokenizer").iterdir():
+        if path.suffix == ".gz":
+            (tokenizer / path.stem).write_bytes(gzip.decompress(path.read_bytes()))
+        else:
+            shutil.copy(path, tokenizer / path.name)
+    dirs = {variant: build_tiny_qwen2_vl(root / variant, tokenizer, variant=variant, weights=False)
+            for variant in ("qwen2_vl", "qwen2_5_vl")}
+    dirs["llava"] = build_tiny_llava(root / "llava", tokenizer, weights=False)
+    return dirs
+
+
+_RENDERERS: dict = {}
+
+
+def renderer_for(model_dirs, case) -> PromptRenderer:
+    """The case's renderer: one loaded per model and template, the image bounds set on a copy
+    (they are read per request; loading a tokenizer takes a second)."""
+    key = (case["model"], case["template"])
+    if key not in _RENDERERS:
+        _RENDERERS[key] = PromptRenderer.from_pretrained(model_dirs[case["model"]], template=case["template"])
+    renderer = copy.copy(_RENDERERS[key])
+    renderer.image_max_pixels = case["options"].get("image_max_pixels", 768 * 768)
+    renderer.image_min_pixels = case["options"].get("image_min_pixels", 32 * 32)
+    return renderer
+
+
+def with_images(messages):
+    """The conversation's images (drawn by name, as bench/lf_golden_mm.py drew them)."""
+    return [make_image(part["image_url"]["url"]) for m in messages if isinstance(m["content"], list)
+            for part in m["content"] if part["type"] == "image_url"]
+
+
+def assert_same_inputs(ours: dict, theirs: dict) -> None:
+    assert sorted(ours) == sorted(theirs)
+    for key, expected in theirs.items():
+        tensor = ours[key]
+        assert list(tensor.shape) == expected["shape"], key
+        if "values" in expected:
+            assert tensor.tolist() == expected["values"], key
+            continue
+        flat = tensor.double().flatten()
+        step = max(1, flat.numel() // 64)
+        samples = [float(v) for v in flat[::step][:64]]
+        # PIL's and torchvision's bicubic resizes differ by a few levels of 255 at edges.
+        assert max(abs(a - b) for a, b in zip(samples, expected["samples"])) < 0.1, key
+        assert float(flat.abs().sum()) == pytest.approx(expected["abs_sum"], rel=0.01), key
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_prompt_ids_and_image_inputs_equal_llamafactorys(model_dirs, case):
+    renderer = renderer_for(model_dirs, case)
+    conversation = dict((name, messages) for name, messages in FIXTURES["conversations"])[case["conversation"]]
+    images = with_images(conversation)
+    if "error" in case:  # LLaMA-Factory refuses: lmserve answers 400, naming why
+        with pytest.raises(ServingError, check=status_400, match="takes no images"):
+            renderer.render_chat_with_images(conversation, images)
+        return
+    ids, media = renderer.render_chat_with_images(conversation, images)
+    assert ids == case["prompt_ids"]
+    assert_same_inputs(media.model_inputs, case["mm_inputs"])
+    # vLLM takes the placeholders unexpanded: one image token per image
+    image_token = get_template(case["template"]).mm_tokens["image"]
+    image_id = renderer.tokenizer.convert_tokens_to_ids(image_token)
+    assert media.placeholder_prompt_ids.count(image_id) == len(images)
+    assert ids.count(image_id) > len(images)
+
+
+def test_the_fixtures_cover_each_plugin_served():
+    plugins = {get_template(c["template"]).mm_plugin for c in CASES if "error" not in c}
+    assert plugins == {"Qwen2VLPlugin", "Qwen3VLPlugin", "LlavaPlugin"}
+    assert {c["model"] for c in CASES} == {"qwen2_vl", "qwen2_5_vl", "llava"}
+
+
+@pytest.fixture(scope="module")
+def qwen(model_dirs):
+    return PromptRenderer.from_pretrained(model_dirs["qwen2_vl"], template="qwen2_vl")
+
+
+def ask(*parts):
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image_url", "image_url": {"url": "x"}}
+               for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+IMAGE = object()
+
+
+def test_placeholder_and_image_counts_must_agree(qwen):
+    red = make_image("red_40x30")
+    with pytest.raises(ServingError, check=status_400, match="3 image placeholders.*2 images"):
+        qwen.render_chat_with_images(ask(IMAGE, f"two {IMAGE_PLACEHOLDER}", IMAGE), [red, red])
+    with pytest.raises(ServingError, check=status_400, match="system message"):
+        qwen.render_chat_with_images([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                                      *ask("hi")], [red])
+    with pytest.raises(ServingError, check=status_400, match="video_url"):
+        qwen.render_chat_with_images([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}],
+                                     [])
+
+
+def test_plugins_not_built_yet_are_refused_by_name():
+    with pytest.raises(ServingError, check=status_400, match="plugin 'gemma3'"):
+        get_image_plugin("Gemma3Plugin", {"image": "<image_soft_token>"}, "gemma3")
+    assert get_image_plugin("Gemma3Plugin", {"image": None}, "x").image_token is None  # takes no images
+
+
+def test_processor_without_torchvision_expands_as_qwen2_vl_processor(model_dirs):
+    """No template: Qwen2-VL's own chat template, its image tokens expanded as transformers'
+    Qwen2VLProcessor does (it cannot be built here: its video processor needs torchvision)."""
+    renderer = PromptRenderer.from_pretrained(model_dirs["qwen2_vl"])
+    assert isinstance(renderer.processor, ImageOnlyProcessor)
+    images = [make_image("red_40x30"), make_image("gradient_200x150")]
+    ids, media = renderer.render_chat_with_images(ask("Compare", IMAGE, "with", IMAGE), images)
+    grid = media.model_inputs["image_grid_thw"]
+    image_id = renderer.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert ids.count(image_id) == int(grid.prod(-1).sum()) // 4
+    text = renderer.tokenizer.decode(media.placeholder_prompt_ids)
+    assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nCompare"
+                    "<|vision_start|><|image_pad|><|vision_end|>with<|vision_start|><|image_pad|><|vision_end|>"
+                    "<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ServingError, check=status_400, match="image token"):
+        renderer.render_chat_with_images(ask("smuggled <|image_pad|>", IMAGE), images[:1])
+
+
+def test_expand_image_tokens():
+    assert expand_image_tokens("a<i>b<i>", "<i>", [2, 1]) == "a<i><i>b<i>"
+    with pytest.raises(ServingError):
+        expand_image_tokens("a<i>", "<i>", [1, 1])
