@@ -324,10 +324,11 @@ def logged_errors(log: Path) -> list[str]:
     return list(dict.fromkeys(line.strip() for line in lines if re.match(r"^\w*(Error|Exception): ", line)))
 
 
-def serve_and_ask(side: str, config_path: Path, log_dir: Path, opts: argparse.Namespace) -> list[Answer]:
-    """Start `side` (`llamafactory` or `lmserve`) on `config_path`, ask every prompt, stop it;
-    its log is `<log_dir>/<config name>-<side>.log`. A server that does not start answers every
-    prompt with its start-up error."""
+def serve_and_ask(side: str, config_path: Path, log_dir: Path, opts: argparse.Namespace,
+                  asker=None, count: int = len(PROMPTS)) -> list[Answer]:
+    """Start `side` (`llamafactory` or `lmserve`) on `config_path`, ask every prompt (`asker(base_url)`,
+    default `ask` with `PROMPTS`), stop it; its log is `<log_dir>/<config name>-<side>.log`. A
+    server that does not start answers each of `count` prompts with its start-up error."""
     from engines.sglang.server_process import free_port
 
     port = free_port()
@@ -347,11 +348,11 @@ def serve_and_ask(side: str, config_path: Path, log_dir: Path, opts: argparse.Na
         server.start()
         waited = _wait_answering(server, base_url, opts.start_timeout)
         print(f"lf_parity: {config_path.stem}: {side} answering after {waited:.0f} s", file=sys.stderr, flush=True)
-        return ask(base_url, opts.max_tokens)
+        return asker(base_url) if asker is not None else ask(base_url, opts.max_tokens)
     except StartError as exc:
         lines = str(exc).splitlines()
         error = f"server did not start: {lines[-1].strip()}" if len(lines) > 1 else f"server did not start: {exc}"
-        return [Answer(error=error[:600]) for _ in PROMPTS]
+        return [Answer(error=error[:600]) for _ in range(count)]
     finally:
         if server.alive:  # SIGTERM drains lmserve and stops its Ray cluster; LLaMA-Factory's uvicorn stops
             os.kill(server.proc.pid, signal.SIGTERM)
