@@ -279,3 +279,23 @@ def test_qwen2_vl_with_llamafactory_template_equals_transformers(qwen_vl):
     expected = renderer.tokenizer.decode(transformers_greedy(path, ids, media, 10))
     request = GenerationRequest("i", ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), media=media)
     assert text_of(run(collect(engine, request))) == expected
+
+
+def test_qwen2_vl_text_requests_use_the_prefix_cache_image_requests_do_not(qwen_vl):
+    """Text rows of a Qwen2-VL model have text positions, so their KV is cached and reused; a
+    request with images is never cached (its KV depends on the pixels)."""
+    path, renderer, engine = qwen_vl
+    assert engine._batcher.prefix_cache is not None
+    system = {"role": "system", "content": "You answer questions about a long shared report. " * 12}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = run(collect(engine, GenerationRequest("a", renderer.render_chat([system, {"role": "user",
+                                                                                      "content": "Who?"}]), params)))
+    ids = renderer.render_chat([system, {"role": "user", "content": "When?"}])
+    again = run(collect(engine, GenerationRequest("b", ids, params)))
+    assert again[-1].usage.cached_tokens >= 64 and first[-1].usage.cached_tokens == 0
+    with started_engine(model_name_or_path=str(path), hf_prefix_cache_tokens=0) as uncached:
+        assert text_of(run(collect(uncached, GenerationRequest("c", ids, params)))) == text_of(again)
+    image_ids, media = renderer.render_chat_with_images(ask(RED), [RED])
+    for _ in range(2):
+        out = run(collect(engine, GenerationRequest("i", image_ids, params, media=media)))
+        assert out[-1].usage.cached_tokens == 0

@@ -114,7 +114,6 @@ class HuggingFaceEngine(Engine):
         self._info: ModelInfo | None = None
         self._eos_ids: set[int] = set()
         self._accepts_images = False
-        self._mrope = False
         self.model_path: Path | None = None
         self._reward: Any = None  # engines.huggingface.reward.RewardModel when config.is_reward_model
         self._embedder: Any = None  # engines.huggingface.embedding.EmbeddingModel when config.serves_embeddings
@@ -165,14 +164,13 @@ class HuggingFaceEngine(Engine):
     def _prefix_cache_tokens(self) -> int:
         """`hf_prefix_cache_tokens`, with -1 sized to the device: the tokens whose KV (every
         layer's keys and values in the model's dtype) fits in 10 % of the RAM on CPU, or of the
-        GPU's free memory after loading. 0 for Qwen2-VL-style models (their positions depend on
-        the images, `get_rope_index`)."""
+        GPU's free memory after loading. Requests with images are never cached (their KV depends
+        on the pixels), so on Qwen2-VL-style models only text requests are, whose positions are
+        those of a text model."""
         import psutil
         import torch
 
         wanted = self.config.hf.prefix_cache_tokens
-        if self._mrope:
-            return 0
         if wanted >= 0:
             return wanted
         text = self._model.config.get_text_config()
@@ -212,9 +210,6 @@ class HuggingFaceEngine(Engine):
             raise
         except Exception as exc:
             raise ModelLoadError(f"could not load model from {path!r}: {type(exc).__name__}: {exc}") from exc
-        # Qwen2-VL and kin compute 3-D rotary positions for images (`get_rope_index`).
-        self._mrope = self._accepts_images and any(callable(getattr(m, "get_rope_index", None))
-                                                   for m in model.modules())
         use_gqa_attention(model)  # no KV cache copies per step on CPU (engines/huggingface/attention.py)
         model = self._load_adapters(model)
         # a bitsandbytes model is placed as it loads (device_map) and refuses `.to`
