@@ -64,7 +64,13 @@ OPTION_SETS = [{}, {"image_max_pixels": 64 * 64, "image_min_pixels": 32 * 32},
 # (model builder, variant, LLaMA-Factory templates to render it with)
 MODELS = [("qwen2_vl", ["qwen2_vl", "qwen3_vl_nothink", "default"]),
           ("qwen2_5_vl", ["qwen2_vl"]),
-          ("llava", ["llava", "vicuna"])]
+          ("llava", ["llava", "vicuna"]),
+          ("llava_next", ["llava_next", "llava_next_mistral", "llava_next_qwen", "granite3_vision"]),
+          ("paligemma", ["paligemma", "paligemma_chat"]),
+          ("gemma3", ["gemma3"])]
+
+# model builder -> option sets rendered beside OPTION_SETS (LLaMA-Factory's model arguments)
+MODEL_OPTION_SETS = {"gemma3": [{"image_do_pan_and_scan": True}]}
 
 
 def make_image(name: str):
@@ -98,7 +104,8 @@ def fingerprint(tensor) -> dict:
 
 def build_models() -> dict[str, Path]:
     from lf_golden import unpacked
-    from tiny_vlm import build_tiny_llava, build_tiny_qwen2_vl
+    from tiny_vlm import (build_tiny_gemma3, build_tiny_llava, build_tiny_llava_next, build_tiny_paligemma,
+                          build_tiny_qwen2_vl)
 
     WORK.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = Path(unpacked(TOKENIZER_DIR))
@@ -106,6 +113,9 @@ def build_models() -> dict[str, Path]:
     for variant in ("qwen2_vl", "qwen2_5_vl"):
         dirs[variant] = build_tiny_qwen2_vl(WORK / variant, tokenizer_dir, variant=variant, weights=False)
     dirs["llava"] = build_tiny_llava(WORK / "llava", tokenizer_dir, weights=False)
+    dirs["llava_next"] = build_tiny_llava_next(WORK / "llava_next", tokenizer_dir, weights=False)
+    dirs["paligemma"] = build_tiny_paligemma(WORK / "paligemma", tokenizer_dir, weights=False)
+    dirs["gemma3"] = build_tiny_gemma3(WORK / "gemma3", tokenizer_dir, weights=False)
     return dirs
 
 
@@ -168,7 +178,7 @@ def main() -> int:
     cases = []
     for variant, templates in MODELS:
         for template_name in templates:
-            for options in OPTION_SETS:
+            for options in OPTION_SETS + MODEL_OPTION_SETS.get(variant, []):
                 for name, messages in CONVERSATIONS:
                     case = render(dirs[variant], template_name, options, json.loads(json.dumps(messages)))
                     cases.append({"model": variant, "template": template_name, "options": options,

@@ -65,7 +65,6 @@ _INERT_FIELDS: dict[str, Any] = {
     "ms_hub_token": None,
     "om_hub_token": None,
     "print_param_status": False,
-    "image_do_pan_and_scan": False,
     "crop_to_patches": False,
     "video_max_pixels": 256 * 256,
     "video_min_pixels": 16 * 16,
@@ -346,6 +345,10 @@ class EngineConfig(BaseModel):
     image_max_pixels: int = Field(768 * 768, gt=0, description="Larger images are scaled down to this many "
                                   "pixels (width x height) before the model's processor.")
     image_min_pixels: int = Field(32 * 32, gt=0, description="Smaller images are scaled up to this many pixels.")
+    image_do_pan_and_scan: bool = Field(
+        False, description="Gemma 3's pan and scan (LLaMA-Factory's model argument): images with the `gemma3` "
+        "template are refused with a 400 while it is on, because LLaMA-Factory 0.9.5's plugin fails on every such "
+        "image under transformers 5; other templates ignore it, as in LLaMA-Factory.")
 
     # --- vLLM (LLaMA-Factory VllmArguments) ---
     vllm: VllmArgs = Field(default_factory=VllmArgs, description="vllm backend: `vllm_*`.")

@@ -38,7 +38,8 @@ def case_id(case: dict) -> str:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from tiny_vlm import build_tiny_llava, build_tiny_qwen2_vl
+    from tiny_vlm import (build_tiny_gemma3, build_tiny_llava, build_tiny_llava_next, build_tiny_paligemma,
+                          build_tiny_qwen2_vl)
 
     root = tmp_path_factory.mktemp("mm-plugins")
     tokenizer = root / "tokenizer"
@@ -51,6 +52,9 @@ def model_dirs(tmp_path_factory):
     dirs = {variant: build_tiny_qwen2_vl(root / variant, tokenizer, variant=variant, weights=False)
             for variant in ("qwen2_vl", "qwen2_5_vl")}
     dirs["llava"] = build_tiny_llava(root / "llava", tokenizer, weights=False)
+    dirs["llava_next"] = build_tiny_llava_next(root / "llava_next", tokenizer, weights=False)
+    dirs["paligemma"] = build_tiny_paligemma(root / "paligemma", tokenizer, weights=False)
+    dirs["gemma3"] = build_tiny_gemma3(root / "gemma3", tokenizer, weights=False)
     return dirs
 
 
@@ -66,6 +70,9 @@ def renderer_for(model_dirs, case) -> PromptRenderer:
     renderer = copy.copy(_RENDERERS[key])
     renderer.image_max_pixels = case["options"].get("image_max_pixels", 768 * 768)
     renderer.image_min_pixels = case["options"].get("image_min_pixels", 32 * 32)
+    if "image_do_pan_and_scan" in case["options"]:  # read from the processor, as LLaMA-Factory reads it
+        renderer.processor = copy.copy(renderer.processor)
+        renderer.processor.image_do_pan_and_scan = case["options"]["image_do_pan_and_scan"]
     return renderer
 
 
@@ -91,29 +98,41 @@ def assert_same_inputs(ours: dict, theirs: dict) -> None:
         assert float(flat.abs().sum()) == pytest.approx(expected["abs_sum"], rel=0.01), key
 
 
+# The token of each image in the prompt of engines that expand images themselves, where it is
+# not the template's image token (None: no token, the engine inserts the image tokens).
+PLACEHOLDER_TOKENS = {"PaliGemmaPlugin": None, "Gemma3Plugin": "<start_of_image>"}
+
+
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_prompt_ids_and_image_inputs_equal_llamafactorys(model_dirs, case):
     renderer = renderer_for(model_dirs, case)
     conversation = dict((name, messages) for name, messages in FIXTURES["conversations"])[case["conversation"]]
     images = with_images(conversation)
     if "error" in case:  # LLaMA-Factory refuses: lmserve answers 400, naming why
-        with pytest.raises(ServingError, check=status_400, match="takes no images"):
+        why = "image_do_pan_and_scan" if case["options"].get("image_do_pan_and_scan") else "takes no images"
+        with pytest.raises(ServingError, check=status_400, match=why):
             renderer.render_chat_with_images(conversation, images)
         return
     ids, media = renderer.render_chat_with_images(conversation, images)
     assert ids == case["prompt_ids"]
     assert_same_inputs(media.model_inputs, case["mm_inputs"])
-    # vLLM takes the placeholders unexpanded: one image token per image
-    image_token = get_template(case["template"]).mm_tokens["image"]
-    image_id = renderer.tokenizer.convert_tokens_to_ids(image_token)
-    assert media.placeholder_prompt_ids.count(image_id) == len(images)
+    # vLLM takes the placeholders unexpanded: one image token per image (PaliGemma: none, vLLM
+    # puts its image tokens before the prompt; Gemma3: its begin-of-image token)
+    template = get_template(case["template"])
+    image_id = renderer.tokenizer.convert_tokens_to_ids(template.mm_tokens["image"])
+    placeholder = PLACEHOLDER_TOKENS.get(template.mm_plugin, template.mm_tokens["image"])
+    placeholder_id = renderer.tokenizer.convert_tokens_to_ids(placeholder) if placeholder else image_id
+    assert media.placeholder_prompt_ids.count(placeholder_id) == (len(images) if placeholder else 0)
     assert ids.count(image_id) > len(images)
 
 
 def test_the_fixtures_cover_each_plugin_served():
     plugins = {get_template(c["template"]).mm_plugin for c in CASES if "error" not in c}
-    assert plugins == {"Qwen2VLPlugin", "Qwen3VLPlugin", "LlavaPlugin"}
-    assert {c["model"] for c in CASES} == {"qwen2_vl", "qwen2_5_vl", "llava"}
+    assert plugins == {"Qwen2VLPlugin", "Qwen3VLPlugin", "LlavaPlugin", "LlavaNextPlugin", "PaliGemmaPlugin",
+                       "Gemma3Plugin"}
+    assert {c["model"] for c in CASES} == {"qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "paligemma", "gemma3"}
+    # LLaMA-Factory's model argument, set on the processor as its `patch_processor` sets it
+    assert any(c["options"].get("image_do_pan_and_scan") for c in CASES)
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +162,9 @@ def test_placeholder_and_image_counts_must_agree(qwen):
 
 
 def test_plugins_not_built_yet_are_refused_by_name():
-    with pytest.raises(ServingError, check=status_400, match="plugin 'gemma3'"):
-        get_image_plugin("Gemma3Plugin", {"image": "<image_soft_token>"}, "gemma3")
-    assert get_image_plugin("Gemma3Plugin", {"image": None}, "x").image_token is None  # takes no images
+    with pytest.raises(ServingError, check=status_400, match="plugin 'pixtral'"):
+        get_image_plugin("PixtralPlugin", {"image": "[IMG]"}, "pixtral")
+    assert get_image_plugin("PixtralPlugin", {"image": None}, "x").image_token is None  # takes no images
 
 
 def test_processor_without_torchvision_expands_as_qwen2_vl_processor(model_dirs):
@@ -170,3 +189,16 @@ def test_expand_image_tokens():
     assert expand_image_tokens("a<i>b<i>", "<i>", [2, 1]) == "a<i><i>b<i>"
     with pytest.raises(ServingError):
         expand_image_tokens("a<i>", "<i>", [1, 1])
+
+
+def test_pan_and_scan_from_the_config_reaches_the_plugin(model_dirs):
+    """`image_do_pan_and_scan` (LLaMA-Factory's model argument) is set on the processor, where
+    its plugins read it: Gemma 3's images are then refused, as LLaMA-Factory 0.9.5 fails on them."""
+    from engines.config import EngineConfig
+
+    config = EngineConfig(model_name_or_path=str(model_dirs["gemma3"]), template="gemma3", image_do_pan_and_scan=True)
+    renderer = PromptRenderer.for_config(model_dirs["gemma3"], config)
+    with pytest.raises(ServingError, check=status_400, match="image_do_pan_and_scan"):
+        renderer.render_chat_with_images(ask(IMAGE, "What?"), [make_image("red_40x30")])
+    plain = PromptRenderer.from_pretrained(model_dirs["gemma3"], template="gemma3")
+    assert plain.render_chat_with_images(ask(IMAGE, "What?"), [make_image("red_40x30")])[0]

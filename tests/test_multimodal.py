@@ -220,10 +220,10 @@ def test_text_only_model_with_an_image_is_400_naming_it(client):
 # ---- Qwen2-VL family: multimodal rotary positions in the batcher ----------------------------
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def qwen_vl(request, model_dir, tmp_path_factory):
-    """A tiny Qwen2-VL / Qwen2.5-VL (tests/tiny_vlm.py: attention sharpened, so that wrong
-    positions change the output), its renderer and a started engine."""
+    """A tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL (tests/tiny_vlm.py: attention sharpened, so that
+    wrong positions change the output), its renderer and a started engine."""
     from engines.prompt.renderer import PromptRenderer
     from tiny_vlm import build_tiny_qwen2_vl
 
@@ -232,14 +232,16 @@ def qwen_vl(request, model_dir, tmp_path_factory):
         yield path, PromptRenderer.from_pretrained(path), engine
 
 
-def transformers_greedy(path, ids, media, max_tokens):
+def transformers_greedy(path, ids, media, max_tokens, mrope=True):
     """transformers' own `generate` on the same prompt ids and image inputs (the oracle)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     inputs = torch.tensor([ids])
-    extra = {**media.model_inputs, "mm_token_type_ids": (inputs == model.config.image_token_id).int()}
+    extra = dict(media.model_inputs)
+    if mrope:
+        extra["mm_token_type_ids"] = (inputs == model.config.image_token_id).int()
     out = model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), **extra,
                          max_new_tokens=max_tokens, do_sample=False)
     return out[0, len(ids):].tolist()
@@ -299,3 +301,34 @@ def test_qwen2_vl_text_requests_use_the_prefix_cache_image_requests_do_not(qwen_
     for _ in range(2):
         out = run(collect(engine, GenerationRequest("i", image_ids, params, media=media)))
         assert out[-1].usage.cached_tokens == 0
+
+
+@pytest.mark.parametrize("name,template", [("llava_next", "llava_next"), ("paligemma", "paligemma"),
+                                           ("gemma3", "gemma3")])
+def test_llamafactory_plugins_on_the_batcher_equal_transformers(name, template, model_dir, tmp_path):
+    """LLaVA-NeXT (tiles of any resolution), PaliGemma (image tokens before the prompt, prefix
+    `token_type_ids`) and Gemma 3 (image `token_type_ids`, sliding-window layers) with their
+    LLaMA-Factory templates: greedy answers alone, batched with a text request, with `n: 2`,
+    and without a KV cache equal transformers' `generate` on the same inputs."""
+    import tiny_vlm
+    from engines.prompt.renderer import PromptRenderer
+
+    path = getattr(tiny_vlm, f"build_tiny_{name}")(tmp_path / name, model_dir)
+    renderer = PromptRenderer.from_pretrained(path, template=template)
+    image = Image.new("RGB", (50, 30), (0, 120, 255))
+    ids, media = renderer.render_chat_with_images(ask(image, text="What?"), [image])
+    expected = renderer.tokenizer.decode(transformers_greedy(path, ids, media, 10, mrope=False))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    text_ids = renderer.render_chat([{"role": "user", "content": "Hello there. " * 6}])
+    for use_kv_cache in (True, False):
+        with started_engine(model_name_or_path=str(path), use_kv_cache=use_kv_cache) as engine:
+            assert text_of(run(collect(engine, GenerationRequest("i", ids, params, media=media)))) == expected
+
+            async def together():
+                requests = [GenerationRequest("t", text_ids, SamplingParams(temperature=0, max_tokens=12)),
+                            GenerationRequest("i", ids, SamplingParams(temperature=0, max_tokens=10, n=2,
+                                                                       ignore_eos=True), media=media)]
+                return (await asyncio.gather(*(collect(engine, r) for r in requests)))[1]
+
+            image_answer = run(together())
+            assert text_of(image_answer, 0) == text_of(image_answer, 1) == expected

@@ -1,14 +1,19 @@
-"""A tiny random-weight vision-language model for offline tests (no VLM weights are reachable).
+"""Tiny random-weight vision-language models for offline tests (no VLM weights are reachable).
 
 LLaVA architecture from transformers classes: a 1-layer CLIP vision tower (32x32 images, 8x8
 patches -> 16 image tokens per image), a 2-layer Llama language model, the default model's
 tokenizer with an added `<image>` token, a `LlavaProcessor` and a ChatML template that takes
 content as a list of text and image parts. Fixed seed: the same weights on every build.
+Beside it, on the same tokenizer and sizes: Qwen2-VL/Qwen2.5-VL (`build_tiny_qwen2_vl`),
+LLaVA-NeXT (`build_tiny_llava_next`), PaliGemma (`build_tiny_paligemma`) and Gemma 3
+(`build_tiny_gemma3`), each with its transformers processor (or image processor) built without
+torchvision, so that both this environment and LLaMA-Factory's write the same files.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 32
@@ -24,10 +29,21 @@ CHAT_TEMPLATE = (
 )
 
 
+def save_model(model_class: Any, config: Any, out: Path, seed: int, weights: bool) -> None:
+    """`model_class(config)` with weights drawn from `seed` saved to `out`; without `weights`,
+    the config alone."""
+    import torch
+
+    if weights:
+        torch.manual_seed(seed)
+        model_class(config).eval().save_pretrained(out)
+    else:
+        config.save_pretrained(out)
+
+
 def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
     """Write the model, processor and generation config to `out`; return `out`. Without
     `weights`, the config alone stands for the model (enough to render prompts)."""
-    import torch
     from transformers import (AutoTokenizer, CLIPVisionConfig, GenerationConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
@@ -50,11 +66,7 @@ def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0, weights: boo
                               image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id,
                          vision_feature_select_strategy="default", vision_feature_layer=-1)
-    if weights:
-        torch.manual_seed(seed)
-        LlavaForConditionalGeneration(config).eval().save_pretrained(out)
-    else:
-        config.save_pretrained(out)
+    save_model(LlavaForConditionalGeneration, config, out, seed, weights)
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out
@@ -78,8 +90,10 @@ QK_SCALE = 12.0
 
 def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0, variant: str = "qwen2_vl",
                         weights: bool = True) -> Path:
-    """A tiny random Qwen2-VL (`variant` "qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl"): multimodal
-    rotary positions, a 1-layer vision tower with 14-pixel patches merged 2x2, a 2-layer language
+    """A tiny random Qwen2-VL (`variant` "qwen2_vl"), Qwen2.5-VL ("qwen2_5_vl") or Qwen3-VL
+    ("qwen3_vl": 16-pixel patches, interleaved multimodal rotary sections, deepstack features
+    from its one vision layer): multimodal rotary positions, a 1-layer vision tower with
+    14-pixel patches merged 2x2, a 2-layer language
     model, the default model's tokenizer with Qwen2-VL's vision tokens added, Qwen2-VL's chat
     template and its image processor (PIL backend: no torchvision), as in a Qwen2-VL checkpoint.
     Without `weights`, the config alone stands for the model (enough to render prompts)."""
@@ -92,11 +106,17 @@ def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0, variant: 
         from transformers import Qwen2VLForConditionalGeneration as Model
         vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                       spatial_merge_size=2)
-    else:
+    elif variant == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig as Config
         from transformers import Qwen2_5_VLForConditionalGeneration as Model
         vision = dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=14,
                       spatial_merge_size=2, window_size=56, fullatt_block_indexes=[0])
+    else:
+        from transformers import Qwen3VLConfig as Config
+        from transformers import Qwen3VLForConditionalGeneration as Model
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                      out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0])
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_TOKENS})
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
@@ -107,7 +127,8 @@ def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0, variant: 
         text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=eos_id,
                          bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+                         **({"head_dim": 16, "rope_parameters": rope} if variant == "qwen3_vl" else
+                            {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}})),
         vision_config=vision, **ids)
     if weights:
         torch.manual_seed(seed)
@@ -122,7 +143,120 @@ def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0, variant: 
     else:
         config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=QWEN2_VL_MIN_PIXELS, max_pixels=QWEN2_VL_MAX_PIXELS)
+    patch = 16 if variant == "qwen3_vl" else 14
+    image_processor = Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=QWEN2_VL_MIN_PIXELS,
+                                               max_pixels=QWEN2_VL_MAX_PIXELS)
     image_processor.save_pretrained(out)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
+    return out
+
+
+# LLaVA-NeXT's any-resolution grid, scaled to 32-pixel tiles: an image is resized into the best of
+# these (height, width) resolutions, cut into 32x32 tiles, plus the whole image as one tile.
+LLAVA_NEXT_GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64], [96, 32], [32, 96]]
+
+
+def build_tiny_llava_next(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
+    """A tiny random LLaVA-NeXT: as `build_tiny_llava` (CLIP tower, 8-pixel patches, Llama
+    language model, `<image>` token) with any-resolution tiling (`LLAVA_NEXT_GRID_PINPOINTS`,
+    32-pixel tiles) and LLaVA-NeXT's image processor (PIL backend) and processor. Without
+    `weights`, the config alone stands for the model (enough to render prompts)."""
+    from transformers import (AutoTokenizer, CLIPVisionConfig, GenerationConfig, LlamaConfig, LlavaNextConfig,
+                              LlavaNextForConditionalGeneration, LlavaNextProcessor)
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                                 crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                                 image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                   chat_template=CHAT_TEMPLATE)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, tie_word_embeddings=False)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32)
+    config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
+                             image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS,
+                             vision_feature_select_strategy="default", vision_feature_layer=-1)
+    save_model(LlavaNextForConditionalGeneration, config, out, seed, weights)
+    processor.save_pretrained(out)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
+    return out
+
+
+GEMMA_TURN_TOKENS = ["<start_of_turn>", "<end_of_turn>"]  # in Gemma's vocabulary (its chat templates' tokens)
+PALIGEMMA_SEQ_LENGTH = (IMAGE_SIZE // PATCH_SIZE) ** 2  # image tokens per image: 16 patches, no CLS
+
+
+def build_tiny_paligemma(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
+    """A tiny random PaliGemma: a 1-layer SigLIP vision tower (32x32 images, 8x8 patches -> 16
+    image tokens per image, the image processor's `image_seq_length`), a 2-layer Gemma language
+    model, the default model's tokenizer with `<image>` and Gemma's turn tokens added, SigLIP's
+    image processor (PIL backend) and `PaliGemmaProcessor` (which adds PaliGemma's 1152
+    `<locNNNN>`/`<segNNN>` tokens to the tokenizer, as in a PaliGemma checkpoint). Without
+    `weights`, the config alone stands for the model (enough to render prompts)."""
+    from transformers import (AutoTokenizer, GemmaConfig, GenerationConfig, PaliGemmaConfig,
+                              PaliGemmaForConditionalGeneration, PaliGemmaProcessor, SiglipVisionConfig)
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, *GEMMA_TURN_TOKENS]})
+    image_processor = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    image_processor.image_seq_length = PALIGEMMA_SEQ_LENGTH
+    processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text = GemmaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, vision_use_head=False)
+    config = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
+                             vocab_size=len(tokenizer), projection_dim=64, hidden_size=64)
+    save_model(PaliGemmaForConditionalGeneration, config, out, seed, weights)
+    processor.save_pretrained(out)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
+    return out
+
+
+# Gemma 3's image tokens, named on its tokenizer (`tokenizer.boi_token`...), as in its checkpoints.
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                       "image_token": "<image_soft_token>"}
+GEMMA3_SEQ_LENGTH = 4  # image tokens per image: 4x4 patches pooled 2x2 (`mm_tokens_per_image`)
+
+
+def build_tiny_gemma3(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
+    """A tiny random Gemma 3: a 1-layer SigLIP vision tower (32x32 images, 8x8 patches pooled to
+    `GEMMA3_SEQ_LENGTH` image tokens), a 2-layer Gemma 3 language model, the default model's
+    tokenizer with Gemma 3's image tokens (`GEMMA3_IMAGE_TOKENS`) and turn tokens added, Gemma 3's
+    image processor (PIL backend; pan and scan as a request option) and `Gemma3Processor`.
+    Without `weights`, the config alone stands for the model (enough to render prompts)."""
+    from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor,
+                              Gemma3TextConfig, GenerationConfig, SiglipVisionConfig)
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA_TURN_TOKENS})
+    image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                image_seq_length=GEMMA3_SEQ_LENGTH)
+    ids = {name: tokenizer.convert_tokens_to_ids(GEMMA3_IMAGE_TOKENS[token]) for name, token in
+           (("boi_token_index", "boi_token"), ("eoi_token_index", "eoi_token"), ("image_token_index", "image_token"))}
+    eos_id = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                sliding_window=64, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id,
+                pad_token_id=tokenizer.pad_token_id)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, vision_use_head=False)
+    config = Gemma3Config(text_config=Gemma3TextConfig(**text), vision_config=vision,
+                          mm_tokens_per_image=GEMMA3_SEQ_LENGTH, **ids)
+    save_model(Gemma3ForConditionalGeneration, config, out, seed, weights)
+    processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out

@@ -9,10 +9,16 @@ tokens. lmserve does the same here, so that a fine-tune served with its template
 ids and pixel values it was trained on (`tests/test_mm_plugins.py` compares both with fixtures
 written by LLaMA-Factory itself).
 
-Built: `base` (no images: a template without an image slot refuses them), `llava`, `qwen2_vl`
-(Qwen2-VL and Qwen2.5-VL templates) and `qwen3_vl` (its images expand as `qwen2_vl`'s). Every
-other plugin of LLaMA-Factory is refused with a 400 naming it, and so are videos and audio on
-every plugin.
+Built: `base` (no images: a template without an image slot refuses them), `llava`,
+`llava_next`, `paligemma`, `gemma3` (without pan and scan, on which LLaMA-Factory 0.9.5 fails),
+`qwen2_vl` (Qwen2-VL and Qwen2.5-VL templates) and `qwen3_vl` (its images expand as
+`qwen2_vl`'s). Every other plugin of LLaMA-Factory is refused with a 400 naming it, and so are
+videos and audio on every plugin.
+
+A plugin's hooks, in the renderer's order (`PromptRenderer._render_images_with_template`):
+`preprocess` each image, `model_inputs` of them all, `image_seqlens` and `image_texts` (each
+image's text, `process_messages`), `expand_placeholders`, the template's encoding,
+`process_token_ids`, and `finish_inputs` once the prompt ids are known (`get_mm_inputs`).
 
 The same expansion serves models without a LLaMA-Factory template whose transformers processor
 cannot be built here (Qwen2-VL's needs torchvision for its video processor):
@@ -106,18 +112,81 @@ class ImagePlugin:
         """The text that replaces one image placeholder (`process_messages`)."""
         return self.image_token * seqlen
 
-    def expand_placeholders(self, texts: list[str], seqlens: list[int]) -> list[str]:
-        """Replace the `<image>` placeholders of `texts` (the turns' contents, in order) by the
-        images' tokens, one image per placeholder, as `process_messages` does."""
+    def image_texts(self, model_inputs: dict[str, Any], processor: Any, seqlens: list[int]) -> list[str]:
+        """The text of each image (`process_messages`): `image_text` of its number of tokens. A
+        plugin whose texts depend on more than that (Gemma3's pan-and-scan crops) overrides it."""
+        return [self.image_text(seqlen) for seqlen in seqlens]
+
+    def placeholder_text(self, processor: Any) -> str:
+        """One image's text in the prompt of engines that expand images themselves (vLLM, SGLang;
+        `MediaInput.placeholder_prompt_ids`): LLaMA-Factory's with `expand_mm_tokens: false`,
+        one image token (`image_text(1)`)."""
+        return self.image_text(1)
+
+    def expand_placeholders(self, texts: list[str], image_texts: list[str]) -> list[str]:
+        """Replace the `<image>` placeholders of `texts` (the turns' contents, in order) by
+        `image_texts`, one image per placeholder, as `process_messages` does."""
         out, index = [], 0
         for text in texts:
             pieces = text.split(IMAGE_PLACEHOLDER)  # an image's text may hold the placeholder (LLaVA's)
             expanded = [pieces[0]]
             for piece in pieces[1:]:
-                expanded += [self.image_text(seqlens[index]), piece]
+                expanded += [image_texts[index], piece]
                 index += 1
             out.append("".join(expanded))
         return out
+
+    def process_token_ids(self, ids: list[int], seqlens: list[int], tokenizer: Any) -> list[int]:
+        """`process_token_ids`: the template's prompt ids, changed after tokenization (PaliGemma
+        prepends its image tokens); unchanged here. `seqlens`: each image's number of tokens,
+        0s for the prompt of engines that expand images themselves (`expand_mm_tokens: false`)."""
+        return ids
+
+    def finish_inputs(self, model_inputs: dict[str, Any], prompt_ids: list[int], processor: Any) -> dict[str, Any]:
+        """`get_mm_inputs` beyond `_get_mm_inputs`: the model inputs once the prompt ids are known
+        (PaliGemma's and Gemma3's `token_type_ids`, shape `[1, len(prompt_ids)]`); unchanged here."""
+        return model_inputs
+
+
+class Gemma3Plugin(ImagePlugin):
+    """`Gemma3Plugin`: each image becomes the processor's `full_image_sequence` ("\\n\\n" +
+    `<start_of_image>` + `image_seq_length` image tokens + `<end_of_image>` + "\\n\\n");
+    `token_type_ids` are 1 on the image tokens (`_get_gemma3_token_type_ids`), and the image
+    processor's `num_crops` is dropped.
+
+    Pan and scan (LLaMA-Factory's model argument `image_do_pan_and_scan`, set on the processor
+    as LLaMA-Factory's `patch_processor` sets it) is refused: LLaMA-Factory 0.9.5 reads the crops
+    of image i as `num_crops[0][i]`, and transformers 5 (5.6 in its environment) returns
+    `num_crops` flat, so its `process_messages` raises IndexError on every image, in training as
+    in serving."""
+
+    name = "gemma3"
+
+    def model_inputs(self, images: list[Any], processor: Any) -> dict[str, Any]:
+        if getattr(processor, "image_do_pan_and_scan", False):
+            raise ServingError.not_supported(
+                "images with image_do_pan_and_scan are not served: LLaMA-Factory 0.9.5's Gemma3 plugin fails on them "
+                "(IndexError on transformers 5's num_crops)", param="messages")
+        return super().model_inputs(images, processor)
+
+    def image_seqlens(self, model_inputs: dict[str, Any], processor: Any, count: int) -> list[int]:
+        return [processor.image_seq_length] * count
+
+    def image_texts(self, model_inputs: dict[str, Any], processor: Any, seqlens: list[int]) -> list[str]:
+        return [processor.full_image_sequence] * len(seqlens)
+
+    def placeholder_text(self, processor: Any) -> str:
+        return processor.boi_token  # vLLM's Gemma3 processor expands it
+
+    def finish_inputs(self, model_inputs: dict[str, Any], prompt_ids: list[int], processor: Any) -> dict[str, Any]:
+        import torch
+
+        # `processor.image_token_id` in LLaMA-Factory's transformers (5.6): the image token's id
+        # (transformers 5.19 made it `<start_of_image>`'s).
+        image_token_id = processor.tokenizer.convert_tokens_to_ids(self.image_token)
+        inputs = {k: v for k, v in model_inputs.items() if k != "num_crops"}
+        inputs["token_type_ids"] = (torch.tensor([prompt_ids]) == image_token_id).long()
+        return inputs
 
 
 class LlavaPlugin(ImagePlugin):
@@ -134,6 +203,73 @@ class LlavaPlugin(ImagePlugin):
         if processor.vision_feature_select_strategy == "default":
             seqlen -= 1
         return [int(seqlen)] * count
+
+
+class LlavaNextPlugin(ImagePlugin):
+    """`LlavaNextPlugin`: any-resolution LLaVA; each image becomes its own number of image tokens,
+    from its original size (`image_sizes`) and the size of the first image's first tile, as
+    the processor's `_get_number_of_features` counts them (`llava_next_features`), less one
+    under the "default" `vision_feature_select_strategy`."""
+
+    name = "llava_next"
+
+    def image_seqlens(self, model_inputs: dict[str, Any], processor: Any, count: int) -> list[int]:
+        height, width = model_inputs["pixel_values"][0][0].shape[-2:]
+        seqlens = []
+        for orig_height, orig_width in model_inputs["image_sizes"].tolist():
+            seqlen = llava_next_features(processor, orig_height, orig_width, int(height), int(width))
+            if processor.vision_feature_select_strategy == "default":
+                seqlen -= 1
+            seqlens.append(seqlen)
+        return seqlens
+
+
+def llava_next_features(processor: Any, orig_height: int, orig_width: int, height: int, width: int) -> int:
+    """transformers' `LlavaNextProcessor._get_number_of_features` (with `_get_unpadded_features`),
+    which LLaMA-Factory's `LlavaNextPlugin.process_messages` calls: the image tokens of an image
+    of `orig_height` x `orig_width` pixels whose tiles are `height` x `width` — the base tile's
+    patches (+ `num_additional_image_tokens`), the patches of the best grid resolution with its
+    padding cut off, and one newline token per row of them."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    best_height, best_width = select_best_resolution([orig_height, orig_width],
+                                                     processor.image_processor.image_grid_pinpoints)
+    scale_height, scale_width = best_height // height, best_width // width
+    patches_height, patches_width = height // processor.patch_size, width // processor.patch_size
+    current_height, current_width = patches_height * scale_height, patches_width * scale_width
+    if orig_width / orig_height > current_width / current_height:
+        new_height = int(round(orig_height * (current_width / orig_width), 7))
+        current_height -= (current_height - new_height) // 2 * 2
+    else:
+        new_width = int(round(orig_width * (current_height / orig_height), 7))
+        current_width -= (current_width - new_width) // 2 * 2
+    unpadded, newlines = current_height * current_width, current_height
+    return unpadded + newlines + patches_height * patches_width + processor.num_additional_image_tokens
+
+
+class PaliGemmaPlugin(ImagePlugin):
+    """`PaliGemmaPlugin`: the image placeholders are removed from the messages, and
+    `processor.image_seq_length` image tokens per image are put before the prompt ids
+    (`process_token_ids`: before the template's bos); `token_type_ids` are 0 on the image
+    tokens and 1 after them (`_get_paligemma_token_type_ids`)."""
+
+    name = "paligemma"
+
+    def image_seqlens(self, model_inputs: dict[str, Any], processor: Any, count: int) -> list[int]:
+        return [processor.image_seq_length] * count
+
+    def image_text(self, seqlen: int) -> str:
+        return ""
+
+    def process_token_ids(self, ids: list[int], seqlens: list[int], tokenizer: Any) -> list[int]:
+        return [tokenizer.convert_tokens_to_ids(self.image_token)] * sum(seqlens) + ids
+
+    def finish_inputs(self, model_inputs: dict[str, Any], prompt_ids: list[int], processor: Any) -> dict[str, Any]:
+        import torch
+
+        image_seqlen = len(model_inputs["pixel_values"]) * processor.image_seq_length
+        token_type_ids = [0] * image_seqlen + [1] * (len(prompt_ids) - image_seqlen)
+        return {**model_inputs, "token_type_ids": torch.tensor([token_type_ids])}
 
 
 class Qwen2VLPlugin(ImagePlugin):
@@ -169,7 +305,8 @@ class Qwen3VLPlugin(Qwen2VLPlugin):
     name = "qwen3_vl"
 
 
-_BUILT = {plugin.name: plugin for plugin in (ImagePlugin, LlavaPlugin, Qwen2VLPlugin, Qwen3VLPlugin)}
+_BUILT = {plugin.name: plugin for plugin in (ImagePlugin, Gemma3Plugin, LlavaPlugin, LlavaNextPlugin,
+                                               PaliGemmaPlugin, Qwen2VLPlugin, Qwen3VLPlugin)}
 
 
 def get_image_plugin(plugin_class: str, tokens: dict[str, str | None], template_name: str) -> ImagePlugin:

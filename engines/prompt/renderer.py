@@ -203,12 +203,15 @@ class PromptRenderer:
                         default_system: str | None = None, enable_thinking: bool | None = True,
                         trust_remote_code: bool = False, image_max_pixels: int = 768 * 768,
                         image_min_pixels: int = 32 * 32, preserve_thinking: bool = False,
-                        tool_format: str | None = None) -> "PromptRenderer":
+                        tool_format: str | None = None, image_do_pan_and_scan: bool = False) -> "PromptRenderer":
         """Load the tokenizer (and, for a vision-language model, its processor) from `model_dir`
-        and build a renderer."""
+        and build a renderer. `image_do_pan_and_scan` is set on the processor, where
+        LLaMA-Factory's `patch_processor` sets it (its plugins read it there)."""
         from transformers import AutoTokenizer
 
         processor = load_image_processor(model_dir, trust_remote_code)
+        if processor is not None:
+            processor.image_do_pan_and_scan = image_do_pan_and_scan
         tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
             str(model_dir), trust_remote_code=trust_remote_code)
         return cls(tokenizer, template, default_system, enable_thinking, processor=processor,
@@ -222,7 +225,8 @@ class PromptRenderer:
             model_dir, template=config.template, default_system=config.default_system,
             enable_thinking=config.enable_thinking, trust_remote_code=config.trust_remote_code,
             image_max_pixels=config.image_max_pixels, image_min_pixels=config.image_min_pixels,
-            preserve_thinking=config.preserve_thinking, tool_format=config.tool_format)
+            preserve_thinking=config.preserve_thinking, tool_format=config.tool_format,
+            image_do_pan_and_scan=config.image_do_pan_and_scan)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, context_length: int | None = None,
@@ -341,6 +345,8 @@ class PromptRenderer:
         fitted = [plugin.preprocess(image, self.image_max_pixels, self.image_min_pixels) for image in images]
         try:
             inputs = plugin.model_inputs(fitted, self.processor)
+        except ServingError:  # the plugin's own refusal
+            raise
         except Exception as exc:  # image processors raise ValueError, IndexError... on bad input
             raise ServingError.invalid_request(f"the model's image processor could not take the images: "
                                                f"{type(exc).__name__}: {exc}", param="messages") from exc
@@ -382,12 +388,15 @@ class PromptRenderer:
         fitted, inputs, seqlens = self._image_inputs(plugin, images)
         contents = [t["content"] for t in turns]
 
-        def encode(expansion: list[int]) -> list[int]:
-            expanded = [{**t, "content": c} for t, c in zip(turns, plugin.expand_placeholders(contents, expansion))]
-            return self._encode_turns(system, expanded, tools, template_kwargs, context_length)
+        def encode(image_texts: list[str], expansion: list[int]) -> list[int]:
+            expanded = [{**t, "content": c} for t, c in zip(turns, plugin.expand_placeholders(contents, image_texts))]
+            ids = self._encode_turns(system, expanded, tools, template_kwargs, context_length)
+            return plugin.process_token_ids(ids, expansion, self.tokenizer)
 
-        prompt_ids = encode(seqlens)
-        placeholder_ids = encode([1] * len(seqlens))  # LLaMA-Factory's `expand_mm_tokens: false`
+        prompt_ids = encode(plugin.image_texts(inputs, self.processor, seqlens), seqlens)
+        # LLaMA-Factory's `expand_mm_tokens: false`, for engines that expand the images themselves
+        placeholder_ids = encode([plugin.placeholder_text(self.processor)] * len(seqlens), [0] * len(seqlens))
+        inputs = plugin.finish_inputs(inputs, prompt_ids, self.processor)
         return prompt_ids, MediaInput(images=fitted, placeholder_prompt_ids=placeholder_ids, model_inputs=inputs)
 
     def _render_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
