@@ -67,10 +67,13 @@ MODELS = [("qwen2_vl", ["qwen2_vl", "qwen3_vl_nothink", "default"]),
           ("llava", ["llava", "vicuna"]),
           ("llava_next", ["llava_next", "llava_next_mistral", "llava_next_qwen", "granite3_vision"]),
           ("paligemma", ["paligemma", "paligemma_chat"]),
-          ("gemma3", ["gemma3"])]
+          ("gemma3", ["gemma3"]),
+          ("intern_vl", ["intern_vl", "intern_s1"]),
+          ("pixtral", ["pixtral"]),
+          ("mistral3", ["mistral_small", "ministral3"])]
 
 # model builder -> option sets rendered beside OPTION_SETS (LLaMA-Factory's model arguments)
-MODEL_OPTION_SETS = {"gemma3": [{"image_do_pan_and_scan": True}]}
+MODEL_OPTION_SETS = {"gemma3": [{"image_do_pan_and_scan": True}], "intern_vl": [{"crop_to_patches": True}]}
 
 
 def make_image(name: str):
@@ -104,8 +107,8 @@ def fingerprint(tensor) -> dict:
 
 def build_models() -> dict[str, Path]:
     from lf_golden import unpacked
-    from tiny_vlm import (build_tiny_gemma3, build_tiny_llava, build_tiny_llava_next, build_tiny_paligemma,
-                          build_tiny_qwen2_vl)
+    from tiny_vlm import (build_tiny_gemma3, build_tiny_intern_vl, build_tiny_llava, build_tiny_llava_next,
+                          build_tiny_paligemma, build_tiny_pixtral, build_tiny_qwen2_vl)
 
     WORK.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = Path(unpacked(TOKENIZER_DIR))
@@ -116,6 +119,9 @@ def build_models() -> dict[str, Path]:
     dirs["llava_next"] = build_tiny_llava_next(WORK / "llava_next", tokenizer_dir, weights=False)
     dirs["paligemma"] = build_tiny_paligemma(WORK / "paligemma", tokenizer_dir, weights=False)
     dirs["gemma3"] = build_tiny_gemma3(WORK / "gemma3", tokenizer_dir, weights=False)
+    dirs["intern_vl"] = build_tiny_intern_vl(WORK / "intern_vl", tokenizer_dir, weights=False)
+    for variant in ("pixtral", "mistral3"):
+        dirs[variant] = build_tiny_pixtral(WORK / variant, tokenizer_dir, variant=variant, weights=False)
     return dirs
 
 

@@ -65,7 +65,6 @@ _INERT_FIELDS: dict[str, Any] = {
     "ms_hub_token": None,
     "om_hub_token": None,
     "print_param_status": False,
-    "crop_to_patches": False,
     "video_max_pixels": 256 * 256,
     "video_min_pixels": 16 * 16,
     "video_fps": 2.0,
@@ -349,6 +348,9 @@ class EngineConfig(BaseModel):
         False, description="Gemma 3's pan and scan (LLaMA-Factory's model argument): images with the `gemma3` "
         "template are refused with a 400 while it is on, because LLaMA-Factory 0.9.5's plugin fails on every such "
         "image under transformers 5; other templates ignore it, as in LLaMA-Factory.")
+    crop_to_patches: bool = Field(
+        False, description="InternVL's image tiling (LLaMA-Factory's model argument): with the `intern_vl` "
+        "plugin an image becomes up to 12 tiles plus a thumbnail; other templates ignore it, as in LLaMA-Factory.")
 
     # --- vLLM (LLaMA-Factory VllmArguments) ---
     vllm: VllmArgs = Field(default_factory=VllmArgs, description="vllm backend: `vllm_*`.")

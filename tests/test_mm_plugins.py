@@ -38,8 +38,8 @@ def case_id(case: dict) -> str:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from tiny_vlm import (build_tiny_gemma3, build_tiny_llava, build_tiny_llava_next, build_tiny_paligemma,
-                          build_tiny_qwen2_vl)
+    from tiny_vlm import (build_tiny_gemma3, build_tiny_intern_vl, build_tiny_llava, build_tiny_llava_next,
+                          build_tiny_paligemma, build_tiny_pixtral, build_tiny_qwen2_vl)
 
     root = tmp_path_factory.mktemp("mm-plugins")
     tokenizer = root / "tokenizer"
@@ -55,6 +55,9 @@ def model_dirs(tmp_path_factory):
     dirs["llava_next"] = build_tiny_llava_next(root / "llava_next", tokenizer, weights=False)
     dirs["paligemma"] = build_tiny_paligemma(root / "paligemma", tokenizer, weights=False)
     dirs["gemma3"] = build_tiny_gemma3(root / "gemma3", tokenizer, weights=False)
+    dirs["intern_vl"] = build_tiny_intern_vl(root / "intern_vl", tokenizer, weights=False)
+    for variant in ("pixtral", "mistral3"):
+        dirs[variant] = build_tiny_pixtral(root / variant, tokenizer, variant=variant, weights=False)
     return dirs
 
 
@@ -70,9 +73,11 @@ def renderer_for(model_dirs, case) -> PromptRenderer:
     renderer = copy.copy(_RENDERERS[key])
     renderer.image_max_pixels = case["options"].get("image_max_pixels", 768 * 768)
     renderer.image_min_pixels = case["options"].get("image_min_pixels", 32 * 32)
-    if "image_do_pan_and_scan" in case["options"]:  # read from the processor, as LLaMA-Factory reads it
+    processor_options = {k: v for k, v in case["options"].items() if k in ("image_do_pan_and_scan", "crop_to_patches")}
+    if processor_options:  # read from the processor, as LLaMA-Factory's `patch_processor` sets them there
         renderer.processor = copy.copy(renderer.processor)
-        renderer.processor.image_do_pan_and_scan = case["options"]["image_do_pan_and_scan"]
+        for key, value in processor_options.items():
+            setattr(renderer.processor, key, value)
     return renderer
 
 
@@ -100,7 +105,9 @@ def assert_same_inputs(ours: dict, theirs: dict) -> None:
 
 # The token of each image in the prompt of engines that expand images themselves, where it is
 # not the template's image token (None: no token, the engine inserts the image tokens).
-PLACEHOLDER_TOKENS = {"PaliGemmaPlugin": None, "Gemma3Plugin": "<start_of_image>"}
+PLACEHOLDER_TOKENS = {"PaliGemmaPlugin": None, "Gemma3Plugin": "<start_of_image>", "InternVLPlugin": "<IMG_CONTEXT>"}
+# The token that an image expands to, where it is not the template's image token.
+EXPANDED_TOKENS = {"InternVLPlugin": "<IMG_CONTEXT>"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
@@ -110,6 +117,8 @@ def test_prompt_ids_and_image_inputs_equal_llamafactorys(model_dirs, case):
     images = with_images(conversation)
     if "error" in case:  # LLaMA-Factory refuses: lmserve answers 400, naming why
         why = "image_do_pan_and_scan" if case["options"].get("image_do_pan_and_scan") else "takes no images"
+        if case["error"].startswith("ValueError: Size must"):  # Pixtral's image processor: a 600x2 image is 0 rows
+            why = "image processor could not take the images: ValueError: Size must"
         with pytest.raises(ServingError, check=status_400, match=why):
             renderer.render_chat_with_images(conversation, images)
         return
@@ -119,7 +128,8 @@ def test_prompt_ids_and_image_inputs_equal_llamafactorys(model_dirs, case):
     # vLLM takes the placeholders unexpanded: one image token per image (PaliGemma: none, vLLM
     # puts its image tokens before the prompt; Gemma3: its begin-of-image token)
     template = get_template(case["template"])
-    image_id = renderer.tokenizer.convert_tokens_to_ids(template.mm_tokens["image"])
+    image_id = renderer.tokenizer.convert_tokens_to_ids(EXPANDED_TOKENS.get(template.mm_plugin,
+                                                                            template.mm_tokens["image"]))
     placeholder = PLACEHOLDER_TOKENS.get(template.mm_plugin, template.mm_tokens["image"])
     placeholder_id = renderer.tokenizer.convert_tokens_to_ids(placeholder) if placeholder else image_id
     assert media.placeholder_prompt_ids.count(placeholder_id) == (len(images) if placeholder else 0)
@@ -129,10 +139,14 @@ def test_prompt_ids_and_image_inputs_equal_llamafactorys(model_dirs, case):
 def test_the_fixtures_cover_each_plugin_served():
     plugins = {get_template(c["template"]).mm_plugin for c in CASES if "error" not in c}
     assert plugins == {"Qwen2VLPlugin", "Qwen3VLPlugin", "LlavaPlugin", "LlavaNextPlugin", "PaliGemmaPlugin",
-                       "Gemma3Plugin"}
-    assert {c["model"] for c in CASES} == {"qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "paligemma", "gemma3"}
-    # LLaMA-Factory's model argument, set on the processor as its `patch_processor` sets it
+                       "Gemma3Plugin", "InternVLPlugin", "PixtralPlugin"}
+    assert {c["model"] for c in CASES} == {"qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "paligemma", "gemma3",
+                                           "intern_vl", "pixtral", "mistral3"}
+    # LLaMA-Factory's model arguments, set on the processor as its `patch_processor` sets them
     assert any(c["options"].get("image_do_pan_and_scan") for c in CASES)
+    # InternVL's images cropped to several tiles: more than one tile's image tokens per image
+    cropped = [c for c in CASES if c["options"].get("crop_to_patches") and "error" not in c]
+    assert cropped and any(c["mm_inputs"]["pixel_values"]["shape"][0] > 2 for c in cropped)
 
 
 @pytest.fixture(scope="module")
@@ -162,9 +176,9 @@ def test_placeholder_and_image_counts_must_agree(qwen):
 
 
 def test_plugins_not_built_yet_are_refused_by_name():
-    with pytest.raises(ServingError, check=status_400, match="plugin 'pixtral'"):
-        get_image_plugin("PixtralPlugin", {"image": "[IMG]"}, "pixtral")
-    assert get_image_plugin("PixtralPlugin", {"image": None}, "x").image_token is None  # takes no images
+    with pytest.raises(ServingError, check=status_400, match="plugin 'mllama'"):
+        get_image_plugin("MllamaPlugin", {"image": "<|image|>"}, "mllama")
+    assert get_image_plugin("MllamaPlugin", {"image": None}, "x").image_token is None  # takes no images
 
 
 def test_processor_without_torchvision_expands_as_qwen2_vl_processor(model_dirs):
@@ -202,3 +216,28 @@ def test_pan_and_scan_from_the_config_reaches_the_plugin(model_dirs):
         renderer.render_chat_with_images(ask(IMAGE, "What?"), [make_image("red_40x30")])
     plain = PromptRenderer.from_pretrained(model_dirs["gemma3"], template="gemma3")
     assert plain.render_chat_with_images(ask(IMAGE, "What?"), [make_image("red_40x30")])[0]
+
+
+def test_intern_vl_is_served_with_a_template_only(model_dirs):
+    """InternVL's transformers processor needs torchvision (its video processor): its image
+    processor and `image_seq_length` serve the `intern_vl` template; without a template, 400."""
+    renderer = PromptRenderer.from_pretrained(model_dirs["intern_vl"])
+    assert isinstance(renderer.processor, ImageOnlyProcessor) and renderer.processor.image_seq_length == 4
+    with pytest.raises(ServingError, check=status_400, match="LLaMA-Factory template only"):
+        renderer.render_chat_with_images(ask(IMAGE, "What?"), [make_image("red_40x30")])
+
+
+def test_crop_to_patches_from_the_config_reaches_the_plugin(model_dirs):
+    """`crop_to_patches` (LLaMA-Factory's model argument) is set on the processor: InternVL's
+    image then becomes several tiles, each its own run of image tokens."""
+    from engines.config import EngineConfig
+
+    image = make_image("gradient_200x150")
+    counts = []
+    for crop in (False, True):
+        config = EngineConfig(model_name_or_path=str(model_dirs["intern_vl"]), template="intern_vl",
+                              crop_to_patches=crop)
+        _, media = PromptRenderer.for_config(model_dirs["intern_vl"], config).render_chat_with_images(
+            ask(IMAGE, "What?"), [image])
+        counts.append(media.model_inputs["pixel_values"].shape[0])
+    assert counts[0] == 1 and counts[1] > 1

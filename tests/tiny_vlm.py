@@ -5,9 +5,12 @@ patches -> 16 image tokens per image), a 2-layer Llama language model, the defau
 tokenizer with an added `<image>` token, a `LlavaProcessor` and a ChatML template that takes
 content as a list of text and image parts. Fixed seed: the same weights on every build.
 Beside it, on the same tokenizer and sizes: Qwen2-VL/Qwen2.5-VL (`build_tiny_qwen2_vl`),
-LLaVA-NeXT (`build_tiny_llava_next`), PaliGemma (`build_tiny_paligemma`) and Gemma 3
-(`build_tiny_gemma3`), each with its transformers processor (or image processor) built without
-torchvision, so that both this environment and LLaMA-Factory's write the same files.
+LLaVA-NeXT (`build_tiny_llava_next`), PaliGemma (`build_tiny_paligemma`), Gemma 3
+(`build_tiny_gemma3`), InternVL (`build_tiny_intern_vl`) and Pixtral/Mistral Small 3.1
+(`build_tiny_pixtral`), each with its transformers processor (or image processor) built without
+torchvision, or its `processor_config.json` written by hand where the processor needs torchvision
+(`write_processor_config`), so that both this environment and LLaMA-Factory's write the same
+files (but for `transformers_version`).
 """
 
 from __future__ import annotations
@@ -258,5 +261,121 @@ def build_tiny_gemma3(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bo
                           mm_tokens_per_image=GEMMA3_SEQ_LENGTH, **ids)
     save_model(Gemma3ForConditionalGeneration, config, out, seed, weights)
     processor.save_pretrained(out)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
+    return out
+
+
+def write_processor_config(out: Path, processor_config: dict) -> None:
+    """`processor_config.json` as transformers' `ProcessorMixin.save_pretrained` writes it (its
+    image and video processors' configs nested in it), for processors that cannot be built
+    without torchvision: written by hand, the same in either environment."""
+    import json
+
+    (out / "processor_config.json").write_text(json.dumps(processor_config, indent=2, sort_keys=True) + "\n")
+
+
+# InternVL's image tokens, named on its tokenizer (`tokenizer.start_image_token`...), as in its
+# transformers ("-hf") checkpoints.
+INTERN_VL_IMAGE_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
+                          "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+INTERN_VL_SEQ_LENGTH = 4  # image tokens per 32x32 tile: 4x4 patches, pixel-shuffled by 0.5 (`image_seq_length`)
+_CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+
+def build_tiny_intern_vl(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
+    """A tiny random InternVL (transformers' `InternVLForConditionalGeneration`, the "-hf"
+    checkpoints LLaMA-Factory's `intern_vl` template serves; the original InternVL-Chat models are
+    remote code): a 1-layer InternViT vision tower (32x32 tiles, 8x8 patches, pixel-shuffled 0.5 ->
+    `INTERN_VL_SEQ_LENGTH` image tokens per tile), a 2-layer Qwen2 language model, the default
+    model's tokenizer with InternVL's image tokens (`INTERN_VL_IMAGE_TOKENS`), Got-OCR2's image
+    processor (crop to patches as a request option) and `InternVLProcessor`'s config.
+
+    `InternVLProcessor` cannot be built without torchvision (its video processor needs it): its
+    `processor_config.json` is written here as transformers writes it (image processor, video
+    processor, `image_seq_length`; `write_processor_config`). Without `weights`, the config alone
+    stands for the model (enough to render prompts)."""
+    from transformers import (AutoTokenizer, GenerationConfig, InternVLConfig, InternVLForConditionalGeneration,
+                              InternVLVisionConfig, Qwen2Config)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), extra_special_tokens=INTERN_VL_IMAGE_TOKENS)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id,
+                       tie_word_embeddings=False)
+    vision = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=[IMAGE_SIZE, IMAGE_SIZE], patch_size=[PATCH_SIZE, PATCH_SIZE])
+    config = InternVLConfig(vision_config=vision, text_config=text, downsample_ratio=0.5,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"),
+                            image_seq_length=INTERN_VL_SEQ_LENGTH, tie_word_embeddings=False)
+    save_model(InternVLForConditionalGeneration, config, out, seed, weights)
+    tokenizer.save_pretrained(out)
+    common = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+              "image_mean": _CLIP_MEAN, "image_std": _CLIP_STD, "resample": 3, "rescale_factor": 1 / 255,
+              "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}}
+    processor_config = {
+        "image_processor": {**common, "crop_to_patches": False, "image_processor_type": "GotOcr2ImageProcessor",
+                            "max_patches": 12, "min_patches": 1},
+        "image_seq_length": INTERN_VL_SEQ_LENGTH, "processor_class": "InternVLProcessor",
+        "video_processor": {**common, "do_sample_frames": False, "initial_shift": True, "return_metadata": False,
+                            "video_processor_type": "InternVLVideoProcessor"}}
+    write_processor_config(out, processor_config)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
+    return out
+
+
+PIXTRAL_IMAGE_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+MISTRAL_TURN_TOKENS = ["[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]  # special in Mistral's vocabulary
+PIXTRAL_LONGEST_EDGE = 64  # images at most 64 pixels on their longest edge: up to 8x8 patches of 8 pixels
+
+
+def build_tiny_pixtral(out: Path, tokenizer_dir: Path, seed: int = 0, variant: str = "pixtral",
+                       weights: bool = True) -> Path:
+    """A tiny random Pixtral (`variant` "pixtral": `LlavaForConditionalGeneration` with a Pixtral
+    vision tower, as Pixtral-12B's transformers checkpoint) or Mistral Small 3.1 ("mistral3":
+    `Mistral3ForConditionalGeneration`, patches merged 2x2): a 1-layer Pixtral vision tower (8-pixel
+    patches, images resized to at most `PIXTRAL_LONGEST_EDGE` pixels, each a whole number of
+    patches), a 2-layer Mistral language model, the default model's tokenizer with Pixtral's image
+    tokens (`PIXTRAL_IMAGE_TOKENS`: a row of `[IMG]` per row of patches, ended by `[IMG_BREAK]`,
+    the last by `[IMG_END]`) and Mistral's turn tokens added, Pixtral's image processor (PIL
+    backend) and `PixtralProcessor`'s config.
+
+    `PixtralProcessor` cannot be built without torchvision (transformers requires it): its
+    `processor_config.json` is written here as transformers writes it (`write_processor_config`).
+    Without `weights`, the config alone stands for the model (enough to render prompts)."""
+    from transformers import AutoTokenizer, GenerationConfig, MistralConfig, PixtralVisionConfig
+
+    merge = 1 if variant == "pixtral" else 2
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": [*PIXTRAL_IMAGE_TOKENS, *MISTRAL_TURN_TOKENS]})
+    image_token_id = tokenizer.convert_tokens_to_ids("[IMG]")
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=False)
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 head_dim=16, image_size=PIXTRAL_LONGEST_EDGE, patch_size=PATCH_SIZE,
+                                 rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})  # 5.19's default
+    if variant == "pixtral":
+        from transformers import LlavaConfig as Config
+        from transformers import LlavaForConditionalGeneration as Model
+        config = Config(vision_config=vision, text_config=text, image_token_id=image_token_id,
+                        vision_feature_select_strategy="full", vision_feature_layer=-1, tie_word_embeddings=False)
+    else:
+        from transformers import Mistral3Config as Config
+        from transformers import Mistral3ForConditionalGeneration as Model
+        config = Config(vision_config=vision, text_config=text, image_token_index=image_token_id,
+                        spatial_merge_size=merge, vision_feature_layer=-1, tie_word_embeddings=False)
+    save_model(Model, config, out, seed, weights)
+    tokenizer.save_pretrained(out)
+    image_processor = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+                       "image_mean": _CLIP_MEAN, "image_std": _CLIP_STD,
+                       "image_processor_type": "PixtralImageProcessor",
+                       "patch_size": {"height": PATCH_SIZE, "width": PATCH_SIZE}, "resample": 3,
+                       "rescale_factor": 1 / 255, "size": {"longest_edge": PIXTRAL_LONGEST_EDGE}}
+    write_processor_config(out, {"image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
+                                 "image_processor": image_processor, "image_token": "[IMG]", "patch_size": PATCH_SIZE,
+                                 "processor_class": "PixtralProcessor", "spatial_merge_size": merge})
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out

@@ -11,9 +11,11 @@ written by LLaMA-Factory itself).
 
 Built: `base` (no images: a template without an image slot refuses them), `llava`,
 `llava_next`, `paligemma`, `gemma3` (without pan and scan, on which LLaMA-Factory 0.9.5 fails),
-`qwen2_vl` (Qwen2-VL and Qwen2.5-VL templates) and `qwen3_vl` (its images expand as
-`qwen2_vl`'s). Every other plugin of LLaMA-Factory is refused with a 400 naming it, and so are
-videos and audio on every plugin.
+`qwen2_vl` (Qwen2-VL and Qwen2.5-VL templates), `qwen3_vl` (its images expand as
+`qwen2_vl`'s), `intern_vl` (with and without `crop_to_patches`) and `pixtral` (Pixtral, Mistral
+Small 3.1). Every other plugin of LLaMA-Factory is refused with a 400 naming it (`llama4` among
+them: transformers' Llama 4 image processor has no PIL backend), and so are videos and audio on
+every plugin.
 
 A plugin's hooks, in the renderer's order (`PromptRenderer._render_images_with_template`):
 `preprocess` each image, `model_inputs` of them all, `image_seqlens` and `image_texts` (each
@@ -23,13 +25,15 @@ image's text, `process_messages`), `expand_placeholders`, the template's encodin
 The same expansion serves models without a LLaMA-Factory template whose transformers processor
 cannot be built here (Qwen2-VL's needs torchvision for its video processor):
 `ImageOnlyProcessor` holds the image processor and the tokenizer, and `expand_image_tokens`
-expands the image tokens of the model's own chat template as its processor would.
+expands the image tokens of the model's own chat template as its processor would. InternVL's and
+Pixtral's processors cannot be built here either (`TEMPLATE_ONLY_PROCESSORS`): their
+`ImageOnlyProcessor` (with the processor's settings) serves their LLaMA-Factory templates only.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engines.errors import ServingError
@@ -54,18 +58,33 @@ PLUGIN_NAMES = {
 PLUGIN_BY_MODEL_TYPE = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl",
                         "qwen3_vl_moe": "qwen3_vl"}
 
+#: transformers processors that cannot be built here (InternVL's video processor needs torchvision;
+#: transformers requires it for `PixtralProcessor`) of models whose images are served with a
+#: LLaMA-Factory template only: their `ImageOnlyProcessor` feeds the template's plugin; without a
+#: template they are refused.
+TEMPLATE_ONLY_PROCESSORS = {"InternVLProcessor", "PixtralProcessor"}
+
 
 @dataclass
 class ImageOnlyProcessor:
     """What lmserve needs of a vision-language model's processor, for models whose transformers
     processor cannot be built in this environment: the image processor (transformers' PIL
-    backend, no torchvision), the tokenizer and the chat template."""
+    backend, no torchvision), the tokenizer and the chat template, and the processor's own
+    settings (its `processor_config.json`: `image_seq_length`, `patch_size`...), read as its
+    attributes, as the plugins read a transformers processor's."""
 
     image_processor: Any
     tokenizer: Any
     chat_template: str | None
     image_token: str
     model_type: str  # transformers' (`PLUGIN_BY_MODEL_TYPE`)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        settings = self.__dict__.get("settings", {})  # not self.settings: copy.copy looks up before __init__
+        if name in settings:
+            return settings[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 class ImagePlugin:
@@ -189,6 +208,40 @@ class Gemma3Plugin(ImagePlugin):
         return inputs
 
 
+class InternVLPlugin(ImagePlugin):
+    """`InternVLPlugin` (images): the image processor (Got-OCR2's) makes one 448-pixel (the
+    processor's size) tile per image or, with LLaMA-Factory's model argument `crop_to_patches`
+    (set on the processor, as its `patch_processor` sets it), up to 12 tiles plus a thumbnail
+    (`max_patches=12, min_patches=1`); each image becomes `<img>` + `<IMG_CONTEXT>` x
+    (`processor.image_seq_length` x its tiles) + `</img>` (`process_messages`: these tokens are
+    the plugin's own, not the template's `<image>`), and the model takes `pixel_values`, the
+    images' tiles in order (`get_mm_inputs` drops `image_num_patches`)."""
+
+    name = "intern_vl"
+    start_image_token, end_image_token, context_image_token = "<img>", "</img>", "<IMG_CONTEXT>"
+
+    def model_inputs(self, images: list[Any], processor: Any) -> dict[str, Any]:
+        """`InternVLPlugin._get_mm_inputs` for images."""
+        kwargs = {"crop_to_patches": True, "max_patches": 12, "min_patches": 1} if getattr(
+            processor, "crop_to_patches", False) else {}
+        return dict(processor.image_processor(images=images, return_tensors="pt", **kwargs))
+
+    def image_seqlens(self, model_inputs: dict[str, Any], processor: Any, count: int) -> list[int]:
+        return [processor.image_seq_length * int(tiles) for tiles in model_inputs["num_patches"]]
+
+    def image_text(self, seqlen: int) -> str:
+        return f"{self.start_image_token}{self.context_image_token * seqlen}{self.end_image_token}"
+
+    def placeholder_text(self, processor: Any) -> str:
+        # vLLM's InternVL (transformers format) replaces each `<IMG_CONTEXT>` by the image's
+        # `<img>...</img>`, as transformers' InternVLProcessor does.
+        return self.context_image_token
+
+    def finish_inputs(self, model_inputs: dict[str, Any], prompt_ids: list[int], processor: Any) -> dict[str, Any]:
+        """`InternVLPlugin.get_mm_inputs`: the tiles' `pixel_values` alone."""
+        return {k: v for k, v in model_inputs.items() if k != "num_patches"}
+
+
 class LlavaPlugin(ImagePlugin):
     """`LlavaPlugin`: every image becomes the same number of image tokens, from the processor's
     `patch_size`, `num_additional_image_tokens` and `vision_feature_select_strategy` and the
@@ -272,6 +325,31 @@ class PaliGemmaPlugin(ImagePlugin):
         return {**model_inputs, "token_type_ids": torch.tensor([token_type_ids])}
 
 
+class PixtralPlugin(ImagePlugin):
+    """`PixtralPlugin`: Pixtral's image processor resizes each image into its `longest_edge`, a
+    whole number of patches on each side, and returns the images padded to the largest and their
+    `image_sizes`; an image of h x w pixels becomes h // p rows of w // p `[IMG]` tokens, each row
+    ended by the processor's `image_break_token` (`[IMG_BREAK]`), the last by its
+    `image_end_token` (`[IMG_END]`), where p is the processor's `patch_size` x
+    `spatial_merge_size` (Mistral Small 3.1's 2x2 patch merge)."""
+
+    name = "pixtral"
+
+    def image_seqlens(self, model_inputs: dict[str, Any], processor: Any, count: int) -> list[int]:
+        patch = processor.patch_size * getattr(processor, "spatial_merge_size", 1)
+        return [(height // patch) * (width // patch) for height, width in model_inputs["image_sizes"].tolist()]
+
+    def image_texts(self, model_inputs: dict[str, Any], processor: Any, seqlens: list[int]) -> list[str]:
+        """`PixtralPlugin.process_messages`: each image's rows of tokens."""
+        patch = processor.patch_size * getattr(processor, "spatial_merge_size", 1)
+        texts = []
+        for height, width in model_inputs["image_sizes"].tolist():
+            tokens = ([self.image_token] * (width // patch) + [processor.image_break_token]) * (height // patch)
+            tokens[-1] = processor.image_end_token
+            texts.append("".join(tokens))
+        return texts
+
+
 class Qwen2VLPlugin(ImagePlugin):
     """`Qwen2VLPlugin`: an image is at least 28 pixels on each side and at most 200:1; it
     becomes `<|vision_start|>` + `image_grid_thw.prod() // merge_size**2` image tokens +
@@ -305,8 +383,8 @@ class Qwen3VLPlugin(Qwen2VLPlugin):
     name = "qwen3_vl"
 
 
-_BUILT = {plugin.name: plugin for plugin in (ImagePlugin, Gemma3Plugin, LlavaPlugin, LlavaNextPlugin,
-                                               PaliGemmaPlugin, Qwen2VLPlugin, Qwen3VLPlugin)}
+_BUILT = {plugin.name: plugin for plugin in (ImagePlugin, Gemma3Plugin, InternVLPlugin, LlavaPlugin, LlavaNextPlugin,
+                                               PaliGemmaPlugin, PixtralPlugin, Qwen2VLPlugin, Qwen3VLPlugin)}
 
 
 def get_image_plugin(plugin_class: str, tokens: dict[str, str | None], template_name: str) -> ImagePlugin:

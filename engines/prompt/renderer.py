@@ -33,8 +33,9 @@ from engines.base import MediaInput, SamplingParams
 from engines.prompt.templates import TOKENIZER_TEMPLATE, ChatTemplate, TemplateError, get_template, parse_template
 from engines.errors import ServingError
 from engines.prompt.media import fit_pixels
-from engines.prompt.mm_plugins import (IMAGE_PLACEHOLDER, PLUGIN_BY_MODEL_TYPE, ImageOnlyProcessor, ImagePlugin,
-                                       expand_image_tokens, get_image_plugin, plugin_for_model_type)
+from engines.prompt.mm_plugins import (IMAGE_PLACEHOLDER, PLUGIN_BY_MODEL_TYPE, TEMPLATE_ONLY_PROCESSORS,
+                                       ImageOnlyProcessor, ImagePlugin, expand_image_tokens, get_image_plugin,
+                                       plugin_for_model_type)
 from engines.prompt.reasoning import ThoughtWords, prompt_opens_thought, thought_words_for
 
 logger = logging.getLogger(__name__)
@@ -203,15 +204,17 @@ class PromptRenderer:
                         default_system: str | None = None, enable_thinking: bool | None = True,
                         trust_remote_code: bool = False, image_max_pixels: int = 768 * 768,
                         image_min_pixels: int = 32 * 32, preserve_thinking: bool = False,
-                        tool_format: str | None = None, image_do_pan_and_scan: bool = False) -> "PromptRenderer":
+                        tool_format: str | None = None, image_do_pan_and_scan: bool = False,
+                        crop_to_patches: bool = False) -> "PromptRenderer":
         """Load the tokenizer (and, for a vision-language model, its processor) from `model_dir`
-        and build a renderer. `image_do_pan_and_scan` is set on the processor, where
-        LLaMA-Factory's `patch_processor` sets it (its plugins read it there)."""
+        and build a renderer. `image_do_pan_and_scan` and `crop_to_patches` are set on the
+        processor, where LLaMA-Factory's `patch_processor` sets them (its plugins read them there)."""
         from transformers import AutoTokenizer
 
         processor = load_image_processor(model_dir, trust_remote_code)
         if processor is not None:
             processor.image_do_pan_and_scan = image_do_pan_and_scan
+            processor.crop_to_patches = crop_to_patches
         tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
             str(model_dir), trust_remote_code=trust_remote_code)
         return cls(tokenizer, template, default_system, enable_thinking, processor=processor,
@@ -226,7 +229,7 @@ class PromptRenderer:
             enable_thinking=config.enable_thinking, trust_remote_code=config.trust_remote_code,
             image_max_pixels=config.image_max_pixels, image_min_pixels=config.image_min_pixels,
             preserve_thinking=config.preserve_thinking, tool_format=config.tool_format,
-            image_do_pan_and_scan=config.image_do_pan_and_scan)
+            image_do_pan_and_scan=config.image_do_pan_and_scan, crop_to_patches=config.crop_to_patches)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, context_length: int | None = None,
@@ -320,6 +323,10 @@ class PromptRenderer:
         if self.template is not None:
             return self._render_images_with_template(messages, images, tools, add_generation_prompt,
                                                      template_kwargs, context_length)
+        if isinstance(self.processor, ImageOnlyProcessor) and self.processor.model_type not in PLUGIN_BY_MODEL_TYPE:
+            raise ServingError.not_supported(  # `TEMPLATE_ONLY_PROCESSORS`: no expansion of its own chat template
+                f"images for this {self.processor.model_type} model are served with a LLaMA-Factory template only "
+                "(its transformers processor needs torchvision); set `template`", param="messages")
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=len(images))
         self.check_prompt_chars(text, context_length)  # image tokens only add to it
         if isinstance(self.processor, ImageOnlyProcessor):
@@ -654,22 +661,43 @@ def load_image_processor(model_dir: str | Path, trust_remote_code: bool = False)
     try:
         processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except (ImportError, AttributeError, ValueError):
-        # Qwen2-VL's processor needs torchvision (its video processor), which this environment
-        # keeps out; its image processor has a PIL backend, and its expansion is ours.
-        if config.model_type not in PLUGIN_BY_MODEL_TYPE:
+        # Qwen2-VL's, InternVL's and Pixtral's processors need torchvision (the first two for their
+        # video processors), which this environment keeps out; their image processors have a PIL
+        # backend, and their expansion is ours.
+        settings = _processor_settings(model_dir)
+        if (config.model_type not in PLUGIN_BY_MODEL_TYPE
+                and settings.get("processor_class") not in TEMPLATE_ONLY_PROCESSORS):
             raise
-        return _image_only_processor(model_dir, config, trust_remote_code)
+        return _image_only_processor(model_dir, config, trust_remote_code, settings)
     return processor if getattr(processor, "image_processor", None) is not None else None
 
 
-def _image_only_processor(model_dir: str | Path, config: Any, trust_remote_code: bool) -> ImageOnlyProcessor:
+def _processor_settings(model_dir: str | Path) -> dict[str, Any]:
+    """The processor's own settings (its `processor_config.json` less the image and video
+    processors' configs nested in it), {} where it has none."""
+    from transformers import ProcessorMixin
+
+    try:
+        processor_dict = ProcessorMixin.get_processor_dict(str(model_dir))[0]
+    except OSError:  # no processor_config.json
+        return {}
+    return {k: v for k, v in processor_dict.items() if not isinstance(v, dict) and k != "chat_template"}
+
+
+def _image_only_processor(model_dir: str | Path, config: Any, trust_remote_code: bool,
+                          settings: dict[str, Any]) -> ImageOnlyProcessor:
+    """The `ImageOnlyProcessor` of a model whose transformers processor cannot be built here: its
+    tokenizer, its image processor (PIL backend), its image token (the processor's, else its
+    config's) and the processor's `settings` (InternVL's `image_seq_length`, Pixtral's
+    `patch_size`..., which the plugins read)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     image_processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil",
                                                          trust_remote_code=trust_remote_code)
-    image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
-    return ImageOnlyProcessor(image_processor, tokenizer, tokenizer.chat_template, image_token, config.model_type)
+    image_token = settings.get("image_token") or tokenizer.convert_ids_to_tokens(config.image_token_id)
+    return ImageOnlyProcessor(image_processor, tokenizer, tokenizer.chat_template, image_token, config.model_type,
+                              settings=settings)
 
 
 def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
