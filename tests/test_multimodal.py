@@ -308,8 +308,9 @@ def test_qwen2_vl_text_requests_use_the_prefix_cache_image_requests_do_not(qwen_
 def test_llamafactory_plugins_on_the_batcher_equal_transformers(name, template, model_dir, tmp_path):
     """LLaVA-NeXT (tiles of any resolution), PaliGemma (image tokens before the prompt, prefix
     `token_type_ids`), Gemma 3 (image `token_type_ids`, sliding-window layers), InternVL and
-    Pixtral (processors built without torchvision) with their LLaMA-Factory templates: greedy answers alone, batched with a text request, with `n: 2`,
-    and without a KV cache equal transformers' `generate` on the same inputs."""
+    Pixtral (processors built without torchvision) with their LLaMA-Factory templates: greedy
+    answers alone, batched with a text request, with `n: 2`, and without a KV cache equal
+    transformers' `generate` on the same inputs."""
     import tiny_vlm
     from engines.prompt.renderer import PromptRenderer
 
