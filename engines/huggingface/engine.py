@@ -35,6 +35,7 @@ from engines.device import pick_dtype
 from engines.huggingface.adapters import ALL_ADAPTERS, PEFT_BASE, check_peft_adapter_fits, combine_adapters
 from engines.adapter_store import adapter_key, adapter_names
 from engines.dynamic_adapters import DynamicAdapters
+from engines.huggingface.lora_batch import install_batched_lora
 from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
 from engines.errors import ModelLoadError, ServingError
 from engines.metrics import MetricsExporter, MetricSpec
@@ -299,6 +300,7 @@ class HuggingFaceEngine(Engine):
             combine_adapters(model, applied, ALL_ADAPTERS, {peft_names[n]: path for n, path in adapters.items()})
         self._peft_names = {None: ALL_ADAPTERS if len(applied) > 1 else applied[0], BASE_MODEL: PEFT_BASE,
                             **peft_names}
+        install_batched_lora(model)  # mixed-adapter batches in one pass per layer
         logger.info("loaded LoRA adapters %s; requests without one are served with %s", list(adapters),
                     self.config.applied_adapters)
         return model
@@ -515,6 +517,7 @@ class HuggingFaceEngine(Engine):
         # (`adapter_names`), but peft still looks the active one up
         if model.active_adapter not in model.peft_config:
             model.set_adapter(peft_name)
+        install_batched_lora(model)  # the new adapter's layers; every layer's stacks are rebuilt
         if model is not self._model:
             self._model = self._batcher.model = model
             self._batcher._mixed_adapters = True

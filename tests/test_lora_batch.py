@@ -1,0 +1,107 @@
+"""Mixed-adapter LoRA batches in one pass per layer (engines/huggingface/lora_batch.py) against
+peft's own per-adapter loop, on a tiny random Llama with adapters of different ranks and targets."""
+
+import pytest
+import torch
+
+from engines.huggingface.lora_batch import install_batched_lora, lora_version_changed
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+def add_adapter(model, name, rank, targets, seed, alpha=16):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.1)
+    if isinstance(model, PeftModel):
+        model.add_adapter(name, config)
+    else:
+        model = get_peft_model(model, config, adapter_name=name)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if f"lora_B.{name}." in param_name or f"lora_A.{name}." in param_name:
+                param.normal_(0, 0.5)
+    return model.eval()
+
+
+def peft_logits(model, ids, names):
+    """peft's own mixed-batch forward (the batched path taken out)."""
+    patched = {m: vars(m).pop("_mixed_batch_forward") for m in model.modules() if "_mixed_batch_forward" in vars(m)}
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids, adapter_names=names).logits
+    finally:
+        for module, method in patched.items():
+            module._mixed_batch_forward = method
+
+
+@pytest.fixture
+def model():
+    model = add_adapter(tiny_llama(), "a", 4, ["q_proj", "v_proj"], seed=1)
+    model = add_adapter(model, "b", 8, ["q_proj", "k_proj", "o_proj", "down_proj"], seed=2, alpha=8)
+    return add_adapter(model, "c", 2, ["v_proj", "up_proj"], seed=3)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])  # a decode step, a prefill
+def test_mixed_rows_equal_peft_per_adapter_loop(model, tokens):
+    names = ["a", "__base__", "b", "c", "a", "b", "__base__", "c"]
+    ids = torch.randint(0, 128, (len(names), tokens), generator=torch.Generator().manual_seed(tokens))
+    expected = peft_logits(model, ids, names)
+    assert install_batched_lora(model) > 0
+    with torch.no_grad():
+        got = model(input_ids=ids, adapter_names=names).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # each adapter changes its rows: the comparison is not between base outputs
+    base = peft_logits(model, ids, ["__base__"] * len(names))
+    for row, name in enumerate(names):
+        assert torch.equal(got[row], base[row]) == (name == "__base__")
+
+
+def test_stacks_follow_adapters_loaded_and_deleted(model):
+    install_batched_lora(model)
+    ids = torch.randint(0, 128, (3, 2), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, adapter_names=["a", "b", "c"])
+    model.delete_adapter("b")
+    model = add_adapter(model, "b", 4, ["gate_proj"], seed=9)  # same name, other weights and targets
+    install_batched_lora(model)  # what the engine does after every load
+    names = ["b", "a", "__base__"]
+    with torch.no_grad():
+        got = model(input_ids=ids, adapter_names=names).logits
+    torch.testing.assert_close(got, peft_logits(model, ids, names), rtol=1e-5, atol=1e-5)
+    # weights changed in place under the same names: a version change rebuilds the stacks
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "lora_B.a." in param_name:
+                param.mul_(2)
+    lora_version_changed()
+    with torch.no_grad():
+        got = model(input_ids=ids, adapter_names=names).logits
+    torch.testing.assert_close(got, peft_logits(model, ids, names), rtol=1e-5, atol=1e-5)
+
+
+def test_lora_with_bias_keeps_peft_path(model):
+    """An adapter with a bias on `lora_B` is not a plain product of two matrices: its layers keep
+    peft's loop."""
+    from peft import LoraConfig
+
+    model.add_adapter("biased", LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True))
+    model.eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if ".biased." in param_name:
+                param.normal_(0, 0.5)
+    install_batched_lora(model)
+    ids = torch.randint(0, 128, (2, 3), generator=torch.Generator().manual_seed(1))
+    names = ["biased", "a"]
+    with torch.no_grad():
+        got = model(input_ids=ids, adapter_names=names).logits
+    torch.testing.assert_close(got, peft_logits(model, ids, names), rtol=1e-5, atol=1e-5)
