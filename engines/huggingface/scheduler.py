@@ -940,7 +940,7 @@ def multimodal_rope_index(model: Any) -> tuple[Callable[..., Any], int] | None:
     a module with transformers' `get_rope_index(input_ids, mm_token_type_ids, image_grid_thw,
     video_grid_thw, attention_mask)` -> positions `(3, batch, length)`, deltas `(batch, 1)`):
     that method and the model's image token id; None for other models."""
-    image_token_id = getattr(model.config, "image_token_id", None)
+    image_token_id = getattr(getattr(model, "config", None), "image_token_id", None)
     if image_token_id is None:
         return None
     for module in model.modules():
