@@ -25,7 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 TOKENIZER_DIR = REPO / "tests" / "data" / "llamafactory" / "smollm2-tokenizer"
 OUT = REPO / "tests" / "data" / "llamafactory" / "mm_plugins.json.gz"
 WORK = REPO / "bench" / ".cache" / "lf-golden-mm"
@@ -105,23 +105,25 @@ def fingerprint(tensor) -> dict:
     return out
 
 
-def build_models() -> dict[str, Path]:
-    from lf_golden import unpacked
+def build_models(root: Path = WORK) -> dict[str, Path]:
+    """Every tiny processor of the fixtures (no weights) under `root`, by model name; the test
+    builds the same into its own directory."""
+    from bench.lf_golden import unpacked
     from tiny_vlm import (build_tiny_gemma3, build_tiny_intern_vl, build_tiny_llava, build_tiny_llava_next,
                           build_tiny_paligemma, build_tiny_pixtral, build_tiny_qwen2_vl)
 
-    WORK.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = Path(unpacked(TOKENIZER_DIR))
     dirs = {}
     for variant in ("qwen2_vl", "qwen2_5_vl"):
-        dirs[variant] = build_tiny_qwen2_vl(WORK / variant, tokenizer_dir, variant=variant, weights=False)
-    dirs["llava"] = build_tiny_llava(WORK / "llava", tokenizer_dir, weights=False)
-    dirs["llava_next"] = build_tiny_llava_next(WORK / "llava_next", tokenizer_dir, weights=False)
-    dirs["paligemma"] = build_tiny_paligemma(WORK / "paligemma", tokenizer_dir, weights=False)
-    dirs["gemma3"] = build_tiny_gemma3(WORK / "gemma3", tokenizer_dir, weights=False)
-    dirs["intern_vl"] = build_tiny_intern_vl(WORK / "intern_vl", tokenizer_dir, weights=False)
+        dirs[variant] = build_tiny_qwen2_vl(root / variant, tokenizer_dir, variant=variant, weights=False)
+    dirs["llava"] = build_tiny_llava(root / "llava", tokenizer_dir, weights=False)
+    dirs["llava_next"] = build_tiny_llava_next(root / "llava_next", tokenizer_dir, weights=False)
+    dirs["paligemma"] = build_tiny_paligemma(root / "paligemma", tokenizer_dir, weights=False)
+    dirs["gemma3"] = build_tiny_gemma3(root / "gemma3", tokenizer_dir, weights=False)
+    dirs["intern_vl"] = build_tiny_intern_vl(root / "intern_vl", tokenizer_dir, weights=False)
     for variant in ("pixtral", "mistral3"):
-        dirs[variant] = build_tiny_pixtral(WORK / variant, tokenizer_dir, variant=variant, weights=False)
+        dirs[variant] = build_tiny_pixtral(root / variant, tokenizer_dir, variant=variant, weights=False)
     return dirs
 
 

@@ -10,12 +10,11 @@ the torchvision one in LLaMA-Factory's environment) within the resize backends' 
 import copy
 import gzip
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from bench.lf_golden_mm import make_image
+from bench.lf_golden_mm import build_models, make_image
 from deployments.openai.errors import to_error_response
 from engines.errors import ServingError
 from engines.prompt.mm_plugins import (IMAGE_PLACEHOLDER, ImageOnlyProcessor, expand_image_tokens, get_image_plugin)
@@ -38,27 +37,8 @@ def case_id(case: dict) -> str:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from tiny_vlm import (build_tiny_gemma3, build_tiny_intern_vl, build_tiny_llava, build_tiny_llava_next,
-                          build_tiny_paligemma, build_tiny_pixtral, build_tiny_qwen2_vl)
-
-    root = tmp_path_factory.mktemp("mm-plugins")
-    tokenizer = root / "tokenizer"
-    tokenizer.mkdir()
-    for path in (DATA / "smollm2-tokenizer").iterdir():
-        if path.suffix == ".gz":
-            (tokenizer / path.stem).write_bytes(gzip.decompress(path.read_bytes()))
-        else:
-            shutil.copy(path, tokenizer / path.name)
-    dirs = {variant: build_tiny_qwen2_vl(root / variant, tokenizer, variant=variant, weights=False)
-            for variant in ("qwen2_vl", "qwen2_5_vl")}
-    dirs["llava"] = build_tiny_llava(root / "llava", tokenizer, weights=False)
-    dirs["llava_next"] = build_tiny_llava_next(root / "llava_next", tokenizer, weights=False)
-    dirs["paligemma"] = build_tiny_paligemma(root / "paligemma", tokenizer, weights=False)
-    dirs["gemma3"] = build_tiny_gemma3(root / "gemma3", tokenizer, weights=False)
-    dirs["intern_vl"] = build_tiny_intern_vl(root / "intern_vl", tokenizer, weights=False)
-    for variant in ("pixtral", "mistral3"):
-        dirs[variant] = build_tiny_pixtral(root / variant, tokenizer, variant=variant, weights=False)
-    return dirs
+    """The tiny processors the fixtures were rendered with (bench/lf_golden_mm.py builds them)."""
+    return build_models(tmp_path_factory.mktemp("mm-plugins"))
 
 
 _RENDERERS: dict = {}
