@@ -126,7 +126,8 @@ def test_prompt_ids_and_image_inputs_equal_llamafactorys(model_dirs, case, proce
     if "error" in case:  # LLaMA-Factory refuses: lmserve answers 400, naming why
         why = "image_do_pan_and_scan" if case["options"].get("image_do_pan_and_scan") else "takes no images"
         if case["error"].startswith("ValueError: Size must"):  # Pixtral's image processor: a 600x2 image is 0 rows
-            why = "image processor could not take the images: ValueError: Size must"
+            why = (r"^messages\[0\]\.content\[0\] \(\d+x\d+ after resizing\): the model's image processor could "
+                   "not take the images: ValueError: Size must")  # the content part named
         with pytest.raises(ServingError, check=status_400, match=why):
             renderer.render_chat_with_images(conversation, images)
         return

@@ -32,7 +32,7 @@ from typing import Any, Iterable
 from engines.base import MediaInput, SamplingParams
 from engines.prompt.templates import TOKENIZER_TEMPLATE, ChatTemplate, TemplateError, get_template, parse_template
 from engines.errors import ServingError
-from engines.prompt.media import fit_pixels
+from engines.prompt.media import fit_pixels, image_parts
 from engines.prompt.mm_plugins import (IMAGE_PLACEHOLDER, PLUGIN_BY_MODEL_TYPE, TEMPLATE_ONLY_PROCESSORS,
                                        ImageOnlyProcessor, ImagePlugin, expand_image_tokens, get_image_plugin,
                                        plugin_for_model_type)
@@ -330,24 +330,28 @@ class PromptRenderer:
         text = self._render_text(messages, tools, add_generation_prompt, template_kwargs, num_images=len(images))
         self.check_prompt_chars(text, context_length)  # image tokens only add to it
         if isinstance(self.processor, ImageOnlyProcessor):
-            return self._expand_image_tokens(text, images)
+            return self._expand_image_tokens(text, images, messages)
         fitted = [fit_pixels(image, self.image_max_pixels, self.image_min_pixels) for image in images]
         try:
             out = self.processor(text=text, images=fitted, add_special_tokens=False, return_tensors="pt")
         except Exception as exc:  # processors raise ValueError, IndexError, StopIteration... on bad input
-            raise ServingError.invalid_request(f"the model's processor could not take the prompt and its images: "
-                                               f"{type(exc).__name__}: {exc}", param="messages") from exc
+            where = failing_image_part(messages, fitted, lambda image: self.processor.image_processor(
+                images=[image], return_tensors="pt"))
+            raise ServingError.invalid_request(f"{where}the model's processor could not take the prompt and its "
+                                               f"images: {type(exc).__name__}: {exc}", param="messages") from exc
         prompt_ids = out["input_ids"][0].tolist()
         model_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
         placeholder_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return prompt_ids, MediaInput(images=fitted, placeholder_prompt_ids=placeholder_ids, model_inputs=model_inputs)
 
-    def _image_inputs(self, plugin: ImagePlugin, images: list[Any]) -> tuple[list[Any], dict[str, Any], list[int]]:
+    def _image_inputs(self, plugin: ImagePlugin, images: list[Any],
+                      messages: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any], list[int]]:
         """The plugin's preprocessed images, the image processor's tensors and each image's
         number of tokens.
 
         Raises:
-            ServingError(INVALID_REQUEST): the image processor refuses an image.
+            ServingError(INVALID_REQUEST): the image processor refuses an image (naming its
+                content part in `messages` where one image alone is refused).
         """
         fitted = [plugin.preprocess(image, self.image_max_pixels, self.image_min_pixels) for image in images]
         try:
@@ -355,15 +359,17 @@ class PromptRenderer:
         except ServingError:  # the plugin's own refusal
             raise
         except Exception as exc:  # image processors raise ValueError, IndexError... on bad input
-            raise ServingError.invalid_request(f"the model's image processor could not take the images: "
+            where = failing_image_part(messages, fitted, lambda image: plugin.model_inputs([image], self.processor))
+            raise ServingError.invalid_request(f"{where}the model's image processor could not take the images: "
                                                f"{type(exc).__name__}: {exc}", param="messages") from exc
         return fitted, inputs, plugin.image_seqlens(inputs, self.processor, len(fitted))
 
-    def _expand_image_tokens(self, text: str, images: list[Any]) -> tuple[list[int], MediaInput]:
+    def _expand_image_tokens(self, text: str, images: list[Any],
+                             messages: list[dict[str, Any]]) -> tuple[list[int], MediaInput]:
         """The chat template's `text` with its image tokens expanded (`ImageOnlyProcessor`)."""
         processor = self.processor
         plugin = plugin_for_model_type(processor.model_type, processor.image_token)
-        fitted, inputs, seqlens = self._image_inputs(plugin, images)
+        fitted, inputs, seqlens = self._image_inputs(plugin, images, messages)
         expanded = expand_image_tokens(text, processor.image_token, seqlens)
         prompt_ids = self.tokenizer.encode(expanded, add_special_tokens=False)
         placeholder_ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -392,7 +398,7 @@ class PromptRenderer:
             raise ServingError.invalid_request(
                 f"the messages have {found} image placeholders ({IMAGE_PLACEHOLDER}) for {len(images)} images; "
                 f"LLaMA-Factory template {template.name!r} takes one per image", param="messages")
-        fitted, inputs, seqlens = self._image_inputs(plugin, images)
+        fitted, inputs, seqlens = self._image_inputs(plugin, images, messages)
         contents = [t["content"] for t in turns]
 
         def encode(image_texts: list[str], expansion: list[int]) -> list[int]:
@@ -643,6 +649,24 @@ def _text_content(index: int, message: dict[str, Any], images: bool = False) -> 
                 param=f"messages[{index}].content")
         texts.append(part.get("text", ""))
     return "".join(texts)
+
+
+def failing_image_part(messages: list[dict[str, Any]], images: list[Any], process_one: Any) -> str:
+    """`"messages[i].content[j] (WxH after resizing): "` for the first of `images` (in the order of
+    the `image_url` parts of `messages`) that `process_one(image)` raises on alone, or "" where
+    each passes alone (the failure is in how they combine) or the parts cannot be matched."""
+    try:
+        wheres = [part.where for part in image_parts(messages)]
+    except ServingError:
+        return ""
+    if len(wheres) != len(images):
+        return ""
+    for where, image in zip(wheres, images):
+        try:
+            process_one(image)
+        except Exception:  # noqa: BLE001 - the processor's refusal of this image, as it refused them all
+            return f"{where} ({image.width}x{image.height} after resizing): "
+    return ""
 
 
 def load_image_processor(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
