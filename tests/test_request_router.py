@@ -268,3 +268,21 @@ async def test_an_adapters_requests_go_to_the_replicas_that_hold_it(router, repl
     assert len(await ranks(router, replicas, pending([7] * 200, lora_name="customer-1"))) == 1
     router.update_replicas(replicas[1:])
     assert len(await ranks(router, replicas[1:], pending([7] * 200, lora_name="customer-9"))) == 1
+
+
+@route
+async def test_an_adapters_holder_keeps_its_preference_longer_than_a_prefix_does(router, replicas):
+    """A miss on an adapter costs its load elsewhere and an eviction there: the replicas holding
+    it stay preferred up to `adapter_imbalanced_threshold` (8) requests above the least loaded,
+    where a prefix match gives way at `imbalanced_threshold` (4)."""
+    replicas[0].routing_stats = {"lora_adapters": ["customer-7"]}
+    for i in range(6):  # 6 in flight on r0, none elsewhere
+        router.on_request_routed(pending([i] * 40, request_id=f"busy{i}"), replicas[0].replica_id, None)
+    assert len(await ranks(router, replicas, pending([0] * 40))) == 1  # its prefix: passed over
+    assert (await ranks(router, replicas, pending([9] * 200, lora_name="customer-7")))[0] == ["r0"]
+    for i in range(6, 9):  # 9 in flight: more than 8 above
+        router.on_request_routed(pending([i] * 40, request_id=f"busy{i}"), replicas[0].replica_id, None)
+    assert len(await ranks(router, replicas, pending([9] * 200, lora_name="customer-7"))) == 1
+    router.initialize_state(adapter_imbalanced_threshold=4)
+    with pytest.raises(ValueError, match="adapter_imbalanced_threshold"):
+        router.initialize_state(adapter_imbalanced_threshold=-1)

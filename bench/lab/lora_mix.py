@@ -13,7 +13,9 @@ adapters. Each configuration runs once, one after the other:
 - `base`: the same load on the base model alone (no adapter): the tokens/s to compare with;
 - `prefix`: the adapters, lmserve's default router (`PrefixAffinityRouter`: an adapter's
   requests go to the replicas that hold it);
-- `pow2`: the adapters, Ray Serve's power-of-two-choices router.
+- `pow2`: the adapters, Ray Serve's power-of-two-choices router;
+- `prefix/KEY=N/...`: `prefix` with these `request_router_kwargs` (integers), e.g.
+  `prefix/adapter_imbalanced_threshold=4`.
 
 It prints output tokens/s (and the ratio to `base`), TTFT p50/p95, and the adapter cache's hit
 rate: requests whose adapter was loaded already on the replica that served them, from the
@@ -131,11 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     s.direct_streaming = False
     out = {}
     for config in args.configs.split(","):
-        router = ROUTERS.get(config, PREFIX_AFFINITY_ROUTER)
+        name, *options = config.split("/")
+        router_config = {"request_router_class": ROUTERS.get(name, PREFIX_AFFINITY_ROUTER)}
+        if options:  # prefix/adapter_imbalanced_threshold=4: the router's request_router_kwargs
+            router_config["request_router_kwargs"] = {k: int(v) for k, v in (o.split("=") for o in options)}
         s.engine_args = {"lora_modules_path": str(store), "max_loras_per_replica": args.max_loras_per_replica,
                          "deployment": {"num_replicas": args.replicas,
                                         "ray_actor_options": {"num_cpus": 2 / args.replicas},
-                                        "request_router_config": {"request_router_class": router}}}
+                                        "request_router_config": router_config}}
         port = free_port()
         spec = server_spec("lmserve-hf", s, port)
         server = ServerProcess(spec.cmd, spec.env, venvs.REPO_ROOT, log_dir / f"lora-mix-{config}.log",
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             base_url = f"http://127.0.0.1:{port}"
             server.wait_ready(base_url, MODEL_ID, 600)
-            mix, mix_weights = ([None], [1.0]) if config == "base" else (names, weights)
+            mix, mix_weights = ([None], [1.0]) if name == "base" else (names, weights)
             if args.warmup:
                 asyncio.run(closed_loop(base_url, args.streams, args.warmup, mix, mix_weights, args.max_tokens, seed=3))
             loads_before = count_loads(Path(spec.marker))

@@ -159,8 +159,11 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
     `request_router_kwargs` (all optional): `imbalanced_threshold` (requests, default 4: a
     preferred replica whose queue is longer than the shortest by more is passed over),
-    `match_rate_threshold` (0-1, default 0.1: the share of the prompt a match must cover),
-    `max_blocks` (65536), `max_sessions` (100000).
+    `adapter_imbalanced_threshold` (requests, default 8: the same for the replicas that hold a
+    request's LoRA adapter when no prefix matches; a miss there costs the adapter's load on
+    another replica and the eviction of one of its adapters, which the next request for that
+    one pays again), `match_rate_threshold` (0-1, default 0.1: the share of the prompt a match
+    must cover), `max_blocks` (65536), `max_sessions` (100000).
 
     A replica's load is the requests this router has sent it that have not completed
     (`on_request_routed` / `on_request_completed`): every ingress replica routes its own
@@ -169,13 +172,16 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     """
 
     def initialize_state(self, imbalanced_threshold: int = 4, match_rate_threshold: float = 0.1,
-                         max_blocks: int = 65536, max_sessions: int = 100_000, **kwargs) -> None:
+                         max_blocks: int = 65536, max_sessions: int = 100_000, adapter_imbalanced_threshold: int = 8,
+                         **kwargs) -> None:
         if kwargs:
             raise ValueError(f"unknown request_router_kwargs for PrefixAffinityRouter: {sorted(kwargs)}")
-        if imbalanced_threshold < 0 or not 0 <= match_rate_threshold <= 1 or max_blocks < 1 or max_sessions < 0:
-            raise ValueError("PrefixAffinityRouter needs imbalanced_threshold >= 0, 0 <= match_rate_threshold <= 1, "
-                             "max_blocks >= 1 and max_sessions >= 0")
+        if (imbalanced_threshold < 0 or adapter_imbalanced_threshold < 0 or not 0 <= match_rate_threshold <= 1
+                or max_blocks < 1 or max_sessions < 0):
+            raise ValueError("PrefixAffinityRouter needs imbalanced_threshold >= 0, adapter_imbalanced_threshold >= 0, "
+                             "0 <= match_rate_threshold <= 1, max_blocks >= 1 and max_sessions >= 0")
         self.imbalanced_threshold = imbalanced_threshold
+        self.adapter_imbalanced_threshold = adapter_imbalanced_threshold
         self.match_rate_threshold = match_rate_threshold
         self.index = PrefixAffinityIndex(max_blocks, max_sessions)
         self.in_flight: dict[ReplicaID, int] = {}
@@ -188,9 +194,11 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         """The replicas to try before power of two choices: the session's, else those with the
         longest prefix of the prompt, else, for a LoRA adapter, those that hold it (least loaded
         first); empty when none, when the match is too short, or when they are loaded more than
-        `imbalanced_threshold` above the least."""
+        `imbalanced_threshold` (the adapter's holders: `adapter_imbalanced_threshold`) above the
+        least."""
         by_id = {r.replica_id: r for r in candidates}
         chosen: list[ReplicaID] = []
+        threshold = self.imbalanced_threshold
         if (sticky := self.index.session_replica(session_id)) in by_id:
             chosen = [sticky]
         else:
@@ -203,8 +211,9 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
                            if request.lora_name in (getattr(r, "routing_stats", None) or {}).get("lora_adapters", ())}
                 holders |= self.index.adapter_replicas(request.lora_name) & set(by_id)
                 chosen = sorted(holders, key=lambda rid: self.in_flight.get(rid, 0))
+                threshold = self.adapter_imbalanced_threshold
         least = min(self.in_flight.get(rid, 0) for rid in by_id) if chosen else 0
-        return [by_id[rid] for rid in chosen if self.in_flight.get(rid, 0) - least <= self.imbalanced_threshold]
+        return [by_id[rid] for rid in chosen if self.in_flight.get(rid, 0) - least <= threshold]
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
