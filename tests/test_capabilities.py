@@ -72,3 +72,26 @@ def test_the_ingress_refuses_each_missing_capability_by_name(feature):
     assert info.value.param == param
     entry.capabilities = Capabilities(backend="somebackend", **{f: True for f in FIELDS})
     check_capabilities(entry, request)  # with the capability, no refusal
+
+
+@pytest.mark.parametrize("backend", ["sglang", "ktransformers"])
+def test_images_on_a_backend_without_them_are_refused_naming_it(backend):
+    """A vision-language model served by a backend that takes no images (SGLang's: its CPU server
+    cannot start the tiny VLMs, docs/backends.md): 400 naming the backend, before any image is
+    loaded."""
+    import asyncio
+
+    from deployments.openai.serving_chat import ChatServing
+    from engines import engine_class
+
+    capabilities = engine_class(backend).capabilities
+    assert not capabilities.images
+    entry = SimpleNamespace(model_id="vlm", capabilities=capabilities, renderer=SimpleNamespace(
+        accepts_images=True, thought_words=None, can_switch_thinking=False))
+    serving = SimpleNamespace(image_loader=None)  # loading an image would fail the test
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    body = ChatCompletionRequest(messages=messages)
+    with pytest.raises(ServingError, check=lambda e: e.kind == "not_supported" and e.param == "messages",
+                       match=f"images are not supported by the {backend} backend"):
+        asyncio.run(ChatServing.render_prompt(serving, entry, body, messages))
