@@ -23,8 +23,8 @@ image's text, `process_messages`), `expand_placeholders`, the template's encodin
 `process_token_ids`, and `finish_inputs` once the prompt ids are known (`get_mm_inputs`).
 
 The same expansion serves models without a LLaMA-Factory template whose transformers processor
-cannot be built in an environment without torchvision (lmserve's own install; `lmserve setup
-vllm` adds torchvision) (Qwen2-VL's needs torchvision for its video processor):
+cannot be built without torchvision (Qwen2-VL's needs it for its video processor), which
+lmserve's own install leaves out (`lmserve setup vllm` adds it):
 `ImageOnlyProcessor` holds the image processor and the tokenizer, and `expand_image_tokens`
 expands the image tokens of the model's own chat template as its processor would. InternVL's and
 Pixtral's processors cannot be built here either (`TEMPLATE_ONLY_PROCESSORS`): their
