@@ -3,6 +3,7 @@ choices on fake replicas (no Ray cluster), the session header's way from HTTP to
 and the deployments' default. The routing on a real cluster is in test_routing_cluster.py."""
 
 import asyncio
+import time
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
@@ -16,9 +17,13 @@ from starlette.testclient import TestClient
 from conftest import backend_config
 from deployments.app import model_deployment_options
 from deployments.openai.middleware import SessionIdMiddleware
-from deployments.serve.deployment_defaults import POWER_OF_TWO_ROUTER, PREFIX_AFFINITY_ROUTER
+from deployments.serve.deployment_defaults import (
+    POWER_OF_TWO_ROUTER,
+    PREFIX_AFFINITY_ROUTER,
+    ROUTING_STATS_PERIOD_S,
+)
 from deployments.serve.model_client import SESSION_ID, ReplicaClient
-from deployments.serve.request_router import PrefixAffinityIndex, PrefixAffinityRouter
+from deployments.serve.request_router import REPORT_GRACE_S, PrefixAffinityIndex, PrefixAffinityRouter
 from engines import BUILT_BACKENDS
 from engines.base import GenerationRequest, MediaInput
 
@@ -237,9 +242,10 @@ def test_every_model_deployment_routes_by_prefix_unless_told_otherwise(backend):
     # the class Ray imports from the string
     from ray._common.utils import import_attr
     assert import_attr(PREFIX_AFFINITY_ROUTER) is PrefixAffinityRouter
+    assert config.request_routing_stats_period_s == ROUTING_STATS_PERIOD_S  # a replica's adapters, fresh
     off = {"request_router_config": {"request_router_class": POWER_OF_TWO_ROUTER}}
-    assert model_deployment_options("m", backend_config(backend), off)["request_router_config"] == off[
-        "request_router_config"]
+    assert model_deployment_options("m", backend_config(backend), off)["request_router_config"] == {
+        "request_router_class": POWER_OF_TWO_ROUTER, "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
 
 
 def test_direct_streaming_replicas_have_no_request_router():
@@ -286,3 +292,72 @@ async def test_an_adapters_holder_keeps_its_preference_longer_than_a_prefix_does
     router.initialize_state(adapter_imbalanced_threshold=4)
     with pytest.raises(ValueError, match="adapter_imbalanced_threshold"):
         router.initialize_state(adapter_imbalanced_threshold=-1)
+
+
+@route
+async def test_a_replica_that_reports_without_an_adapter_is_no_longer_its_holder(router, replicas):
+    """Issue 37: the router remembered every replica it ever sent an adapter's request to, so an
+    adapter a replica had evicted kept its requests going there (and the popular adapters ended
+    up on every replica, evicting the rest). A replica's routing stats taken after the request
+    reached it (`REPORT_GRACE_S`) are the truth: it holds the adapter, is serving it, or not."""
+    router.on_request_routed(pending([6] * 200, lora_name="customer-9"), replicas[0].replica_id, None)
+    sent = time.time()
+    replicas[0].routing_stats = {"lora_adapters": ["other"], "reported_at": sent}  # taken as the request went
+    assert (await ranks(router, replicas, pending([7] * 200, lora_name="customer-9")))[0] == ["r0"]
+    replicas[0].routing_stats = {"lora_adapters": ["other"], "lora_adapters_in_flight": ["customer-9"],
+                                 "reported_at": sent + REPORT_GRACE_S + 1}
+    assert (await ranks(router, replicas, pending([7] * 200, lora_name="customer-9")))[0] == ["r0"]
+    replicas[0].routing_stats = {"lora_adapters": ["other"], "reported_at": sent + REPORT_GRACE_S + 2}  # evicted
+    assert len(await ranks(router, replicas, pending([7] * 200, lora_name="customer-9"))) == 1
+
+
+@route
+async def test_an_adapters_holders_come_before_a_prefix_seen_elsewhere(router, replicas):
+    """The adapter's prompts share a system prompt (the chat template's): r1 saw it for the
+    adapter, then evicted the adapter; r2 holds it now. r2 first, where the prefix rule used to
+    send it back to r1 (a load and an eviction there). Among holders, the prefix decides."""
+    prompt = SYSTEM + [8] * 8
+    router.on_request_routed(pending(prompt, lora_name="customer-7", request_id="old"), replicas[1].replica_id, None)
+    router.on_request_completed(replicas[1].replica_id, "old")
+    replicas[1].routing_stats = {"lora_adapters": ["customer-1"], "reported_at": time.time() + REPORT_GRACE_S + 1}
+    replicas[2].routing_stats = {"lora_adapters": ["customer-7"], "reported_at": time.time()}
+    assert (await ranks(router, replicas, pending(prompt, lora_name="customer-7")))[0] == ["r2"]
+    replicas[0].routing_stats = {"lora_adapters": ["customer-7"], "reported_at": time.time()}
+    router.on_request_routed(pending(prompt, lora_name="customer-7", request_id="r0"), replicas[0].replica_id, None)
+    router.on_request_completed(replicas[0].replica_id, "r0")
+    assert (await ranks(router, replicas, pending(prompt + [9] * 30, lora_name="customer-7")))[0] == ["r0", "r2"]
+
+
+def test_a_model_replica_reports_the_adapters_it_holds_and_serves(tmp_path):
+    """`ModelServer.record_routing_stats`: `{}` while it has no adapter loaded at run time (the
+    stats do not change, so the controller does not broadcast them); an adapter of a request
+    being generated is in flight (loading it, or waiting for a slot); configured adapters and
+    the base model are not reported."""
+    from fake_engine import FakeEngine, Reply
+
+    from deployments.serve.model_server import ModelServer
+    from engines.config import EngineConfig
+
+    store = tmp_path / "store"
+    store.mkdir()
+    config = EngineConfig(model_name_or_path="fake", lora_modules_path=str(store))
+    engine = FakeEngine(Reply(choices=[["a", "b", "c"]], delay_s=0.05), config=config)
+
+    async def body():
+        server = ModelServer.__new__(ModelServer)
+        await server.__init__("m", config, engine=engine)
+        assert await server.record_routing_stats() == {}
+        stream = server.generate(GenerationRequest(request_id="1", prompt_token_ids=[1, 2], lora_name="cust-1"))
+        await stream.__anext__()
+        stats = await server.record_routing_stats()
+        assert stats["lora_adapters"] == [] and stats["lora_adapters_in_flight"] == ["cust-1"]
+        assert abs(stats["reported_at"] - time.time()) < 5
+        async for _ in stream:
+            pass
+        assert await server.record_routing_stats() == {}
+        async for _ in server.generate(GenerationRequest(request_id="2", prompt_token_ids=[1], lora_name="base")):
+            assert await server.record_routing_stats() == {}
+        engine.loaded_adapters = lambda: ["cust-1"]
+        assert (await server.record_routing_stats())["lora_adapters"] == ["cust-1"]
+        await server.__del__()
+    asyncio.run(body())

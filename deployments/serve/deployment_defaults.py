@@ -70,7 +70,13 @@ _REPLICA_LIFECYCLE: dict = {
 #: its engine's cache. `POWER_OF_TWO_ROUTER` (Ray Serve's default) turns it off.
 PREFIX_AFFINITY_ROUTER = "deployments.serve.request_router:PrefixAffinityRouter"
 POWER_OF_TWO_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
-_ROUTING: dict = {"request_router_config": {"request_router_class": PREFIX_AFFINITY_ROUTER}}
+#: How often the controller asks each replica for its routing stats (`ModelServer.record_routing_stats`:
+#: the LoRA adapters it holds); Ray's default is 10 s, long enough for an evicted adapter's
+#: requests to keep going to its old replica. A replica's stats change (and are broadcast to the
+#: routers) only while it holds adapters loaded at run time.
+ROUTING_STATS_PERIOD_S = 2.0
+_ROUTING: dict = {"request_router_config": {"request_router_class": PREFIX_AFFINITY_ROUTER,
+                                            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}}
 
 
 def _autoscaling(backend: str) -> dict:

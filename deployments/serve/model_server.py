@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import Counter
 from typing import AsyncIterator
 
 from deployments.replica_log import send_package_logs_to_replica_log
 from deployments.serve.deployment_defaults import STREAM_BATCHING_INTERVAL_S, model_deployment_defaults
 from deployments.serve.stream_batching import batch_stream
 from engines import engine_class
-from engines.base import Engine, GenerationDelta, GenerationRequest, ModelInfo
+from engines.base import BASE_MODEL, Engine, GenerationDelta, GenerationRequest, ModelInfo
 from engines.config import EngineConfig
 from engines.errors import ServingError
 
@@ -75,6 +77,9 @@ class ModelServer:
         self.config = (engine_config if isinstance(engine_config, EngineConfig)
                        else EngineConfig.from_dict(engine_config))
         self.engine, self._engine_metrics = await start_replica_engine(model_id, self.config, engine)
+        # requests generating now per adapter loaded at run time (not the configured ones): an
+        # adapter being loaded, or queued for a slot, is one this replica is about to hold
+        self._adapters_in_flight: Counter[str] = Counter()
         logger.info("model %r ready on backend %s", model_id, self.config.infer_backend)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[GenerationDelta] | ServingError]:
@@ -83,11 +88,21 @@ class ModelServer:
         reach the ingress intact; a raised one would arrive wrapped in Ray's task error) and
         ends the stream. Cancellation (client gone) closes the engine's
         generator, which stops the request in the engine."""
+        adapter = request.lora_name
+        if adapter in (None, BASE_MODEL, *self.config.lora_adapters):
+            adapter = None
+        else:
+            self._adapters_in_flight[adapter] += 1
         try:
             async for deltas in batch_stream(self.engine.generate(request), STREAM_BATCHING_INTERVAL_S):
                 yield deltas
         except Exception as exc:  # noqa: BLE001 - every error travels to the ingress as a value
             yield ServingError.from_exception(exc)
+        finally:
+            if adapter is not None:
+                self._adapters_in_flight[adapter] -= 1
+                if not self._adapters_in_flight[adapter]:
+                    del self._adapters_in_flight[adapter]
 
     async def score(self, texts: list[str], max_length: int | None = None) -> list[float] | ServingError:
         """Reward scores, one per text; an engine error is returned as a `ServingError` value."""
@@ -111,10 +126,17 @@ class ModelServer:
         return self.engine.model_info()
 
     async def record_routing_stats(self) -> dict:
-        """Ray Serve's routing stats of this replica (`request_routing_stats_period_s`, 10 s):
-        the LoRA adapters it loaded at run time, which `PrefixAffinityRouter` prefers for their
-        requests."""
-        return {"lora_adapters": self.engine.loaded_adapters()}
+        """Ray Serve's routing stats of this replica (`request_routing_stats_period_s`):
+        `lora_adapters`, the LoRA adapters it loaded at run time; `lora_adapters_in_flight`,
+        those of the requests it is generating (being loaded, or waiting for a slot, included);
+        `reported_at`, when (`time.time()`, seconds), while either is not empty (stats that
+        change are broadcast to every router: a replica without adapters reports `{}`).
+        `PrefixAffinityRouter` prefers the replicas holding a request's adapter, and forgets that
+        it sent an adapter to a replica once the replica reports without it."""
+        loaded, in_flight = self.engine.loaded_adapters(), sorted(self._adapters_in_flight)
+        if not loaded and not in_flight:
+            return {}
+        return {"lora_adapters": loaded, "lora_adapters_in_flight": in_flight, "reported_at": time.time()}
 
     async def check_health(self) -> None:
         await self.engine.check_health()

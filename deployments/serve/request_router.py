@@ -13,7 +13,9 @@ and Ray Serve LLM's `PrefixCacheAffinityRouter`, on token ids instead of text:
   every full block of every prompt routed there (`PrefixAffinityIndex`, the engines' block
   hashing: engines/block_hash.py), bounded in blocks, least recently used first;
 - a request goes to the replicas with the longest matching prefix when it covers at least
-  `match_rate_threshold` of the prompt; a request carrying a session ID (Ray Serve's
+  `match_rate_threshold` of the prompt; a request for a LoRA adapter loaded at run time goes
+  to the replicas holding it (as they report it, and as this router sent it since), the one
+  with the longest prefix first; a request carrying a session ID (Ray Serve's
   `session_id`, from the `x-session-id` header) goes first to the replica that served the
   session before;
 - unless the preferred replica's queue is more than `imbalanced_threshold` requests longer than
@@ -28,8 +30,9 @@ decision local and cheap instead.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, OrderedDict
-from typing import Any
+from typing import Any, Mapping
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
@@ -44,6 +47,11 @@ logger = logging.getLogger("ray.serve")
 # handle's router lives in the process that calls it (the ingress), from its first request on.
 # Plain data: Ray pickles this module's globals with the router class.
 _ADAPTER_REPLICAS: dict[tuple[str, str], dict[str, int]] = {}
+
+#: How long after sending a replica a LoRA adapter's request its routing stats must have been
+#: taken to count (seconds): the request reaches the replica within this (it then reports the
+#: adapter in flight, or loaded, or neither because it evicted it since).
+REPORT_GRACE_S = 2.0
 
 
 def adapter_replicas(app_name: str, deployment_name: str) -> dict[str, int] | None:
@@ -71,7 +79,8 @@ class PrefixAffinityIndex:
         self.block_tokens = block_tokens
         self._blocks: OrderedDict[bytes, set[Any]] = OrderedDict()
         self._sessions: OrderedDict[str, Any] = OrderedDict()
-        self._adapters: OrderedDict[str, set[Any]] = OrderedDict()  # LoRA adapter -> replicas sent it
+        # LoRA adapter -> {replica: when last sent one of its requests (time.time(), s)}
+        self._adapters: OrderedDict[str, dict[Any, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -95,12 +104,21 @@ class PrefixAffinityIndex:
     def session_replica(self, session_id: str) -> Any | None:
         return self._sessions.get(session_id) if session_id else None
 
-    def adapter_replicas(self, adapter: str | None) -> set[Any]:
-        """The replicas that were sent requests for LoRA adapter `adapter`."""
-        return set(self._adapters.get(adapter, ())) if adapter else set()
+    def adapter_replicas(self, adapter: str | None, reported_at: Mapping[Any, float] | None = None) -> set[Any]:
+        """The replicas that were sent requests for LoRA adapter `adapter`, less those that
+        reported what they hold (`reported_at`: replica -> when, `time.time()` seconds) more than
+        `REPORT_GRACE_S` after the last one was sent: their report is the truth (the adapter is
+        in it, or they evicted it)."""
+        if not adapter:
+            return set()
+        reported_at = reported_at or {}
+        return {replica for replica, sent in self._adapters.get(adapter, {}).items()
+                if reported_at.get(replica, float("-inf")) < sent + REPORT_GRACE_S}
 
-    def record(self, replica: Any, hashes: list[bytes], session_id: str = "", adapter: str | None = None) -> None:
-        """`replica` was sent a prompt of these block hashes (and this session, this adapter)."""
+    def record(self, replica: Any, hashes: list[bytes], session_id: str = "", adapter: str | None = None,
+               now: float | None = None) -> None:
+        """`replica` was sent a prompt of these block hashes (and this session, this adapter, at
+        `now`: `time.time()` by default)."""
         # Deepest first, so a shared root is the most recently used and eviction takes leaves first.
         for block in reversed(hashes):
             holders = self._blocks.get(block)
@@ -115,7 +133,7 @@ class PrefixAffinityIndex:
             self._sessions[session_id] = replica
             self._bound(self._sessions, session_id)
         if adapter:
-            self._adapters.setdefault(adapter, set()).add(replica)
+            self._adapters.setdefault(adapter, {})[replica] = time.time() if now is None else now
             self._bound(self._adapters, adapter)
 
     def _bound(self, table: OrderedDict, key: str) -> None:
@@ -136,7 +154,8 @@ class PrefixAffinityIndex:
         for session_id in [s for s, r in self._sessions.items() if r in gone]:
             del self._sessions[session_id]
         for adapter in list(self._adapters):
-            self._adapters[adapter] -= gone
+            for replica in gone:
+                self._adapters[adapter].pop(replica, None)
             if not self._adapters[adapter]:
                 del self._adapters[adapter]
 
@@ -160,7 +179,7 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     `request_router_kwargs` (all optional): `imbalanced_threshold` (requests, default 4: a
     preferred replica whose queue is longer than the shortest by more is passed over),
     `adapter_imbalanced_threshold` (requests, default 8: the same for the replicas that hold a
-    request's LoRA adapter when no prefix matches; a miss there costs the adapter's load on
+    request's LoRA adapter; a miss there costs the adapter's load on
     another replica and the eviction of one of its adapters, which the next request for that
     one pays again), `match_rate_threshold` (0-1, default 0.1: the share of the prompt a match
     must cover), `max_blocks` (65536), `max_sessions` (100000).
@@ -191,29 +210,46 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
     def preferred(self, candidates: list[RunningReplica], request: GenerationRequest,
                   session_id: str) -> list[RunningReplica]:
-        """The replicas to try before power of two choices: the session's, else those with the
-        longest prefix of the prompt, else, for a LoRA adapter, those that hold it (least loaded
-        first); empty when none, when the match is too short, or when they are loaded more than
-        `imbalanced_threshold` (the adapter's holders: `adapter_imbalanced_threshold`) above the
-        least."""
+        """The replicas to try before power of two choices: the session's; else, for a LoRA
+        adapter, those that hold it (`adapter_holders`; the one with the longest prefix of the
+        prompt first, then the least loaded); else those with the longest prefix of the prompt.
+        Empty when none, when the match is too short, or when they are loaded more than
+        `imbalanced_threshold` (an adapter's holders: `adapter_imbalanced_threshold`) above the
+        least.
+
+        An adapter's holders come before a prefix seen elsewhere: a replica without the adapter
+        would load it, and evict another, before its prefix cache could help (and a prefix of
+        the adapter's prompts stays in the index after its replica evicted the adapter)."""
         by_id = {r.replica_id: r for r in candidates}
         chosen: list[ReplicaID] = []
         threshold = self.imbalanced_threshold
+        hashes = self.index.hashes(request.prompt_token_ids, request.lora_name or "")
         if (sticky := self.index.session_replica(session_id)) in by_id:
             chosen = [sticky]
+        elif request.lora_name and (holders := self.adapter_holders(request.lora_name, by_id)):
+            best, _ = self.index.longest(hashes, holders)
+            chosen = sorted(holders, key=lambda rid: (rid not in best, self.in_flight.get(rid, 0)))
+            threshold = self.adapter_imbalanced_threshold
         else:
-            hashes = self.index.hashes(request.prompt_token_ids, request.lora_name or "")
             best, matched = self.index.longest(hashes, set(by_id))
             if best and matched * self.index.block_tokens >= self.match_rate_threshold * len(request.prompt_token_ids):
                 chosen = sorted(best, key=lambda rid: self.in_flight.get(rid, 0))
-            elif request.lora_name:  # the replicas that hold its adapter (they report it) or were sent it
-                holders = {rid for rid, r in by_id.items()
-                           if request.lora_name in (getattr(r, "routing_stats", None) or {}).get("lora_adapters", ())}
-                holders |= self.index.adapter_replicas(request.lora_name) & set(by_id)
-                chosen = sorted(holders, key=lambda rid: self.in_flight.get(rid, 0))
-                threshold = self.adapter_imbalanced_threshold
         least = min(self.in_flight.get(rid, 0) for rid in by_id) if chosen else 0
         return [by_id[rid] for rid in chosen if self.in_flight.get(rid, 0) - least <= threshold]
+
+    def adapter_holders(self, adapter: str, replicas: dict[ReplicaID, RunningReplica]) -> set[ReplicaID]:
+        """The replicas of `replicas` that hold LoRA adapter `adapter` or are about to: those
+        whose last routing stats (`ModelServer.record_routing_stats`) list it loaded or in
+        flight, and those this router sent it to since their last stats were taken."""
+        holders: set[ReplicaID] = set()
+        reported_at: dict[ReplicaID, float] = {}
+        for replica_id, replica in replicas.items():
+            stats = getattr(replica, "routing_stats", None) or {}
+            if adapter in stats.get("lora_adapters", ()) or adapter in stats.get("lora_adapters_in_flight", ()):
+                holders.add(replica_id)
+            if "reported_at" in stats:
+                reported_at[replica_id] = stats["reported_at"]
+        return holders | (self.index.adapter_replicas(adapter, reported_at) & set(replicas))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
