@@ -205,11 +205,12 @@ def _start_ray(command: str, verbose: bool, **init_args) -> str:
 
     from deployments.cli.console import driver_log_path, quiet_ray_console
 
-    global _QUIET_LOG
+    global _QUIET_LOG, _STARTED_LOCAL_CLUSTER
     log_path = None
     if not verbose:
         log_path = _QUIET_LOG = driver_log_path(command)
         quiet_ray_console(log_path)
+    _STARTED_LOCAL_CLUSTER = _ray_init_starts_a_local_cluster()
     context = ray.init(log_to_driver=verbose, **init_args)
     global _DASHBOARD_URL
     _DASHBOARD_URL = getattr(context, "dashboard_url", None) or None
@@ -423,7 +424,7 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
         stop = _drain_on_signals()
     gcs_address = ray.get_runtime_context().gcs_address
     misses, next_check = 0, time.monotonic() + CLUSTER_CHECK_INTERVAL_S
-    cluster_gone = False
+    cluster_gone = failed = False
     watcher: StartupWatcher | None = StartupWatcher(app_names, settings().schedule_timeout_s, gcs_address=gcs_address)
     watcher.start()
     try:
@@ -432,6 +433,7 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
             if watcher is not None and watcher.outcome is not None:
                 if watcher.outcome.failure:
                     print(f"lmserve: {watcher.outcome.failure}; stopping", file=sys.stderr)
+                    failed = True
                     return 1
                 watcher = None
                 metrics = metrics_address()
@@ -460,7 +462,11 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
             from deployments.cli.console import divert_stdout
 
             divert_stdout(_QUIET_LOG)
-        if not cluster_gone:  # nothing left to shut down; Serve's calls would wait for the GCS
+        # Nothing to shut down when the cluster is gone (Serve's calls would wait for its GCS), nor
+        # after a failed start on a cluster this process started: the cluster ends with it, and
+        # Serve's controller would wait out its 30 s shutdown timeout for a replica that never
+        # started (one that Ray cannot place).
+        if not cluster_gone and not (failed and _STARTED_LOCAL_CLUSTER):
             serve.shutdown()
     print("lmserve: stopped", file=sys.stderr)
     return 0
@@ -468,6 +474,9 @@ def _run_until_signalled(app_names: list[str], stop: dict[str, int] | None = Non
 
 # This run's log file when `_start_ray` was quiet (no --verbose); None otherwise.
 _QUIET_LOG = None
+# Whether `_start_ray` started a local Ray cluster (which ends with this process) rather than
+# joined one.
+_STARTED_LOCAL_CLUSTER = False
 # The Ray dashboard of the cluster `_start_ray` started or joined, when it runs one.
 _DASHBOARD_URL: str | None = None
 
