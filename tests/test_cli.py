@@ -775,3 +775,34 @@ def test_a_ray_driver_command_exits_after_its_exit_handlers_without_finalizing(t
                           cwd=Path(__file__).parents[1], timeout=60)
     assert done.returncode == 3, done.stderr
     assert done.stdout == "bufferedexit handler ran\n"
+
+
+@pytest.mark.parametrize("started_here", [True, False])
+def test_a_failed_start_shuts_serve_down_only_on_a_cluster_it_joined(monkeypatch, started_here, capsys):
+    """On a cluster `lmserve api`/`serve` started, a failed start exits without `serve.shutdown`:
+    the cluster ends with the process, and Serve's controller waited out its 30 s shutdown
+    timeout for a replica Ray could not place. On a joined cluster Serve is shut down as before."""
+    import types
+
+    import ray
+    from ray import serve
+
+    import deployments.cli.main as cli
+    import deployments.cli.startup as startup
+
+    class FailedWatcher:
+        def __init__(self, *args, **kwargs):
+            self.outcome = types.SimpleNamespace(failure="application 'a' failed to deploy: boom")
+
+        def start(self):
+            pass
+
+    shutdowns = []
+    monkeypatch.setattr(startup, "StartupWatcher", FailedWatcher)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(gcs_address="127.0.0.1:1"))
+    monkeypatch.setattr(serve, "shutdown", lambda: shutdowns.append(True))
+    monkeypatch.setattr(cli, "_STARTED_LOCAL_CLUSTER", started_here)
+    monkeypatch.setattr(cli, "_QUIET_LOG", None)
+    assert cli._run_until_signalled(["a"], stop={"signals": 0}) == 1
+    assert "application 'a' failed to deploy: boom; stopping" in capsys.readouterr().err
+    assert shutdowns == ([] if started_here else [True])
