@@ -29,16 +29,42 @@ def ask(count):
     return [{"role": "user", "content": parts}]
 
 
-@pytest.fixture(scope="module", params=[("llava", "llava"), ("qwen2_vl", "qwen2_vl")], ids=["llava", "qwen2_vl"])
+# (tests/tiny_vlm.py builder, LLaMA-Factory template); CI runs the first two, `--run-extended` the rest
+KINDS = [("llava", "llava"), ("qwen2_vl", "qwen2_vl"), ("llava_next", "llava_next"), ("pixtral", "pixtral"),
+         ("paligemma", "paligemma"), ("gemma3", "gemma3"), ("intern_vl", "intern_vl")]
+# the tiny models whose processor has a chat template (the others are asked with their template only)
+WITH_CHAT_TEMPLATE = {"llava", "qwen2_vl", "llava_next"}
+# the tiny models whose greedy answers on the huggingface backend (random weights) do not change
+# with the image: parity there would show that vLLM takes lmserve's prompt and images, not that it
+# reads them as transformers does
+IMAGES_BARELY_MATTER = {"paligemma", "gemma3", "intern_vl"}
+# what vLLM 0.32 does with these tiny models (docs/backends.md); strict: a fix shows up as a failure
+NOT_YET = {
+    "paligemma": "vLLM does not start on the tiny model: KeyError '\\n' (the tiny tokenizer is "
+                 "SmolLM2's with Gemma's tokens added)",
+    "gemma3": "vLLM does not start on the tiny model: KeyError '\\n', as for PaliGemma",
+    "intern_vl": "vLLM's answers differ from the huggingface backend's and change with the image where "
+                 "transformers' do not: not established which side reads the image differently",
+}
+
+
+def _param(index: int, kind: tuple[str, str]):
+    if index < 2:
+        return kind
+    marks = [pytest.mark.extended]
+    if kind[0] in NOT_YET:
+        marks.append(pytest.mark.xfail(strict=True, reason=NOT_YET[kind[0]]))
+    return pytest.param(kind, marks=marks)
+
+
+@pytest.fixture(scope="module", ids=[kind for kind, _ in KINDS], params=[_param(i, k) for i, k in enumerate(KINDS)])
 def vlm(request, model_dir, tmp_path_factory):
     """(model directory, LLaMA-Factory template) of a tiny VLM vLLM's CPU build can run."""
-    from tiny_vlm import build_tiny_llava, build_tiny_qwen2_vl
+    import tiny_vlm
 
     kind, template = request.param
     out = tmp_path_factory.mktemp("vlm-vllm") / kind
-    if kind == "llava":
-        return build_tiny_llava(out, model_dir, head_dim=32), template
-    return build_tiny_qwen2_vl(out, model_dir, head_dim=32), template
+    return getattr(tiny_vlm, f"build_tiny_{kind}")(out, model_dir, head_dim=32), template
 
 
 def requests_for(path, template):
@@ -51,7 +77,8 @@ def requests_for(path, template):
     config = EngineConfig(model_name_or_path=str(path), template=template, image_max_pixels=48 * 48)
     with_template = PromptRenderer.for_config(path, config)
     out = []
-    for name, renderer in (("plain", plain), (template, with_template)):
+    renderers = [("plain", plain)] if template in WITH_CHAT_TEMPLATE else []
+    for name, renderer in (*renderers, (template, with_template)):
         for index, images in enumerate(IMAGE_SETS):
             ids, media = renderer.render_chat_with_images(ask(len(images)), images)
             out.append((f"{name}-{index}", GenerationRequest(f"{name}-{index}", ids,
@@ -69,7 +96,8 @@ def test_vllm_images_answer_as_the_huggingface_backend(vlm):
     assert requests[-1][1].media.images[0].size != GRADIENT.size  # the bound resized it
     with started_engine(model_name_or_path=str(path)) as engine:
         expected = {name: text_of(run(collect(engine, request))) for name, request in requests}
-    assert len(set(expected.values())) >= len(IMAGE_SETS)  # the images change the answers
+    if template not in IMAGES_BARELY_MATTER:
+        assert len(set(expected.values())) >= len(IMAGE_SETS)  # the images change the answers
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     engine = VLLMEngine(EngineConfig(model_name_or_path=str(path), infer_backend="vllm", vllm_enforce_eager=True))

@@ -10,7 +10,8 @@ LLaVA-NeXT (`build_tiny_llava_next`), PaliGemma (`build_tiny_paligemma`), Gemma 
 (`build_tiny_pixtral`), each with its transformers processor (or image processor) built without
 torchvision, or its `processor_config.json` written by hand where the processor needs torchvision
 (`write_processor_config`), so that both this environment and LLaMA-Factory's write the same
-files (but for `transformers_version`).
+files (but for `transformers_version`). Each builder's `head_dim` is the language model's
+(default 16; vLLM's CPU attention takes 32 and up).
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def build_tiny_qwen2_vl(out: Path, tokenizer_dir: Path, seed: int = 0, variant: 
 LLAVA_NEXT_GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64], [96, 32], [32, 96]]
 
 
-def build_tiny_llava_next(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
+def build_tiny_llava_next(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True,
+                          head_dim: int = 16) -> Path:
     """A tiny random LLaVA-NeXT: as `build_tiny_llava` (CLIP tower, 8-pixel patches, Llama
     language model, `<image>` token) with any-resolution tiling (`LLAVA_NEXT_GRID_PINPOINTS`,
     32-pixel tiles) and LLaVA-NeXT's image processor (PIL backend) and processor. Without
@@ -201,8 +203,9 @@ def build_tiny_llava_next(out: Path, tokenizer_dir: Path, seed: int = 0, weights
     processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
                                    vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                    chat_template=CHAT_TEMPLATE)
+    heads = 64 // head_dim
     text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=2048,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, tie_word_embeddings=False)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32)
@@ -210,6 +213,8 @@ def build_tiny_llava_next(out: Path, tokenizer_dir: Path, seed: int = 0, weights
                              image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS,
                              vision_feature_select_strategy="default", vision_feature_layer=-1)
     save_model(LlavaNextForConditionalGeneration, config, out, seed, weights)
+    if weights:  # the Hub's layout, as `build_tiny_llava`
+        hub_layout(out / "model.safetensors", "vision_tower.", "vision_tower.vision_model.")
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out
@@ -219,7 +224,8 @@ GEMMA_TURN_TOKENS = ["<start_of_turn>", "<end_of_turn>"]  # in Gemma's vocabular
 PALIGEMMA_SEQ_LENGTH = (IMAGE_SIZE // PATCH_SIZE) ** 2  # image tokens per image: 16 patches, no CLS
 
 
-def build_tiny_paligemma(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
+def build_tiny_paligemma(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True,
+                         head_dim: int = 16) -> Path:
     """A tiny random PaliGemma: a 1-layer SigLIP vision tower (32x32 images, 8x8 patches -> 16
     image tokens per image, the image processor's `image_seq_length`), a 2-layer Gemma language
     model, the default model's tokenizer with `<image>` and Gemma's turn tokens added, SigLIP's
@@ -238,7 +244,7 @@ def build_tiny_paligemma(out: Path, tokenizer_dir: Path, seed: int = 0, weights:
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     text = GemmaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=2048,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id)
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, vision_use_head=False)
@@ -256,7 +262,8 @@ GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_im
 GEMMA3_SEQ_LENGTH = 4  # image tokens per image: 4x4 patches pooled 2x2 (`mm_tokens_per_image`)
 
 
-def build_tiny_gemma3(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
+def build_tiny_gemma3(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True,
+                      head_dim: int = 16) -> Path:
     """A tiny random Gemma 3: a 1-layer SigLIP vision tower (32x32 images, 8x8 patches pooled to
     `GEMMA3_SEQ_LENGTH` image tokens), a 2-layer Gemma 3 language model, the default model's
     tokenizer with Gemma 3's image tokens (`GEMMA3_IMAGE_TOKENS`) and turn tokens added, Gemma 3's
@@ -275,7 +282,7 @@ def build_tiny_gemma3(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bo
            (("boi_token_index", "boi_token"), ("eoi_token_index", "eoi_token"), ("image_token_index", "image_token"))}
     eos_id = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                num_attention_heads=4, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=2048,
                 sliding_window=64, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id,
                 pad_token_id=tokenizer.pad_token_id)
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -305,7 +312,8 @@ INTERN_VL_SEQ_LENGTH = 4  # image tokens per 32x32 tile: 4x4 patches, pixel-shuf
 _CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
 
-def build_tiny_intern_vl(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True) -> Path:
+def build_tiny_intern_vl(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True,
+                         head_dim: int = 16) -> Path:
     """A tiny random InternVL (transformers' `InternVLForConditionalGeneration`, the "-hf"
     checkpoints LLaMA-Factory's `intern_vl` template serves; the original InternVL-Chat models are
     remote code): a 1-layer InternViT vision tower (32x32 tiles, 8x8 patches, pixel-shuffled 0.5 ->
@@ -322,8 +330,9 @@ def build_tiny_intern_vl(out: Path, tokenizer_dir: Path, seed: int = 0, weights:
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), extra_special_tokens=INTERN_VL_IMAGE_TOKENS)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    heads = 64 // head_dim
     text = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=2048,
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id,
                        tie_word_embeddings=False)
     vision = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -353,7 +362,7 @@ PIXTRAL_LONGEST_EDGE = 64  # images at most 64 pixels on their longest edge: up 
 
 
 def build_tiny_pixtral(out: Path, tokenizer_dir: Path, seed: int = 0, variant: str = "pixtral",
-                       weights: bool = True) -> Path:
+                       weights: bool = True, head_dim: int = 16) -> Path:
     """A tiny random Pixtral (`variant` "pixtral": `LlavaForConditionalGeneration` with a Pixtral
     vision tower, as Pixtral-12B's transformers checkpoint) or Mistral Small 3.1 ("mistral3":
     `Mistral3ForConditionalGeneration`, patches merged 2x2): a 1-layer Pixtral vision tower (8-pixel
@@ -374,7 +383,7 @@ def build_tiny_pixtral(out: Path, tokenizer_dir: Path, seed: int = 0, variant: s
     image_token_id = tokenizer.convert_tokens_to_ids("[IMG]")
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     text = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id,
                          tie_word_embeddings=False)
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
