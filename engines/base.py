@@ -162,12 +162,17 @@ class MediaInput:
     SGLang). `model_inputs`: the model processor's tensors besides the token ids (e.g.
     `pixel_values` `[num_images, 3, H, W]`, float32 on CPU), for transformers engines, whose
     prompt is `GenerationRequest.prompt_token_ids` with every placeholder already expanded to
-    the model's number of image tokens.
+    the model's number of image tokens. `processor_kwargs`: the options LLaMA-Factory's plugin
+    gives the image processor where they differ from the model processor's own defaults, for
+    engines that run the processor themselves (vLLM's `mm_processor_kwargs`; e.g. InternVL's
+    `crop_to_patches`, which transformers' `InternVLProcessor` turns on by default and
+    LLaMA-Factory leaves off).
     """
 
     images: list[Any]
     placeholder_prompt_ids: list[int]
     model_inputs: dict[str, Any] = field(default_factory=dict)
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -672,13 +672,17 @@ def _prompt(request: GenerationRequest) -> Any:
     """vLLM's input for a request: the token ids as they are, or, with images, a `TokensPrompt`
     of the template's ids with one placeholder per image plus the PIL images; vLLM's own
     multimodal processor expands the placeholders (it would expand already expanded ones
-    again) and computes the pixel values."""
+    again) and computes the pixel values, with the processor options of the template's plugin
+    (`MediaInput.processor_kwargs`) as `mm_processor_kwargs`."""
     from vllm.inputs import tokens_input
 
     if request.media is None:
         return tokens_input(list(request.prompt_token_ids))
-    return {"prompt_token_ids": list(request.media.placeholder_prompt_ids),
-            "multi_modal_data": {"image": list(request.media.images)}}
+    prompt = {"prompt_token_ids": list(request.media.placeholder_prompt_ids),
+              "multi_modal_data": {"image": list(request.media.images)}}
+    if request.media.processor_kwargs:
+        prompt["mm_processor_kwargs"] = dict(request.media.processor_kwargs)
+    return prompt
 
 
 def _env_summary() -> str:

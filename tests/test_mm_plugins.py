@@ -253,12 +253,20 @@ def test_crop_to_patches_from_the_config_reaches_the_plugin(model_dirs):
     image then becomes several tiles, each its own run of image tokens."""
     from engines.config import EngineConfig
 
+    from engines.base import GenerationRequest
+    from engines.vllm import _prompt
+
     image = make_image("gradient_200x150")
-    counts = []
+    counts, vllm_kwargs = [], []
     for crop in (False, True):
         config = EngineConfig(model_name_or_path=str(model_dirs["intern_vl"]), template="intern_vl",
                               crop_to_patches=crop)
-        _, media = PromptRenderer.for_config(model_dirs["intern_vl"], config).render_chat_with_images(
+        ids, media = PromptRenderer.for_config(model_dirs["intern_vl"], config).render_chat_with_images(
             ask(IMAGE, "What?"), [image])
         counts.append(media.model_inputs["pixel_values"].shape[0])
+        vllm_kwargs.append(_prompt(GenerationRequest("r", ids, media=media))["mm_processor_kwargs"])
     assert counts[0] == 1 and counts[1] > 1
+    # vLLM runs transformers' InternVLProcessor, which crops unless told not to: it used to make 13
+    # tiles of an image LLaMA-Factory gives one (tests/test_multimodal_vllm.py)
+    assert vllm_kwargs == [{"crop_to_patches": False},
+                           {"crop_to_patches": True, "max_patches": 12, "min_patches": 1}]

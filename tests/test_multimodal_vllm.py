@@ -43,8 +43,6 @@ NOT_YET = {
     "paligemma": "vLLM does not start on the tiny model: KeyError '\\n' (the tiny tokenizer is "
                  "SmolLM2's with Gemma's tokens added)",
     "gemma3": "vLLM does not start on the tiny model: KeyError '\\n', as for PaliGemma",
-    "intern_vl": "vLLM's answers differ from the huggingface backend's and change with the image where "
-                 "transformers' do not: not established which side reads the image differently",
 }
 
 

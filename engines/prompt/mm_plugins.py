@@ -143,6 +143,12 @@ class ImagePlugin:
         one image token (`image_text(1)`)."""
         return self.image_text(1)
 
+    def processor_kwargs(self, processor: Any) -> dict[str, Any]:
+        """The image processor's options as this plugin calls it, for an engine that runs the
+        model's processor itself (`MediaInput.processor_kwargs`, vLLM's `mm_processor_kwargs`);
+        none by default (the processor's own defaults are the plugin's)."""
+        return {}
+
     def expand_placeholders(self, texts: list[str], image_texts: list[str]) -> list[str]:
         """Replace the `<image>` placeholders of `texts` (the turns' contents, in order) by
         `image_texts`, one image per placeholder, as `process_messages` does."""
@@ -226,6 +232,13 @@ class InternVLPlugin(ImagePlugin):
         kwargs = {"crop_to_patches": True, "max_patches": 12, "min_patches": 1} if getattr(
             processor, "crop_to_patches", False) else {}
         return dict(processor.image_processor(images=images, return_tensors="pt", **kwargs))
+
+    def processor_kwargs(self, processor: Any) -> dict[str, Any]:
+        # transformers' InternVLProcessor crops to patches unless told not to (its
+        # `images_kwargs` default); LLaMA-Factory calls the image processor, which does not
+        if getattr(processor, "crop_to_patches", False):
+            return {"crop_to_patches": True, "max_patches": 12, "min_patches": 1}
+        return {"crop_to_patches": False}
 
     def image_seqlens(self, model_inputs: dict[str, Any], processor: Any, count: int) -> list[int]:
         return [processor.image_seq_length * int(tiles) for tiles in model_inputs["num_patches"]]

@@ -410,7 +410,8 @@ class PromptRenderer:
         # LLaMA-Factory's `expand_mm_tokens: false`, for engines that expand the images themselves
         placeholder_ids = encode([plugin.placeholder_text(self.processor)] * len(seqlens), [0] * len(seqlens))
         inputs = plugin.finish_inputs(inputs, prompt_ids, self.processor)
-        return prompt_ids, MediaInput(images=fitted, placeholder_prompt_ids=placeholder_ids, model_inputs=inputs)
+        return prompt_ids, MediaInput(images=fitted, placeholder_prompt_ids=placeholder_ids, model_inputs=inputs,
+                                      processor_kwargs=plugin.processor_kwargs(self.processor))
 
     def _render_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      add_generation_prompt: bool, template_kwargs: dict[str, Any], num_images: int) -> str:
