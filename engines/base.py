@@ -321,11 +321,18 @@ def prepare_generation(request: "GenerationRequest", config: "EngineConfig", *, 
     if outside:
         raise ServingError.invalid_request(f"logit_bias: token id(s) {outside[:10]} are out of this model's vocabulary "
                                            f"(size {vocab_size})", param="logit_bias")
-    if (request.lora_name not in (None, BASE_MODEL, *config.lora_adapters) and config.lora_modules_path is None
+    if (runtime_adapter(request.lora_name, config) is not None and config.lora_modules_path is None
             and request.lora_path is None):
         raise ServingError.invalid_request(f"unknown LoRA adapter {request.lora_name!r}; loaded: "
                                            f"{sorted(config.lora_adapters)}", param="model")
     return params, max_tokens
+
+
+def runtime_adapter(lora_name: str | None, config: "EngineConfig") -> str | None:
+    """`lora_name` when it names an adapter loaded at run time (of `lora_modules_path`, or added
+    with `POST /v1/load_lora_adapter`); None for the configured model, the base model
+    (`BASE_MODEL`) and the adapters of `config.lora_adapters`."""
+    return None if lora_name in (None, BASE_MODEL, *config.lora_adapters) else lora_name
 
 
 def single_lora_adapter(request: GenerationRequest, config: EngineConfig) -> str | None:

@@ -19,7 +19,7 @@ from deployments.replica_log import send_package_logs_to_replica_log
 from deployments.serve.deployment_defaults import STREAM_BATCHING_INTERVAL_S, model_deployment_defaults
 from deployments.serve.stream_batching import batch_stream
 from engines import engine_class
-from engines.base import BASE_MODEL, Engine, GenerationDelta, GenerationRequest, ModelInfo
+from engines.base import Engine, GenerationDelta, GenerationRequest, ModelInfo, runtime_adapter
 from engines.config import EngineConfig
 from engines.errors import ServingError
 
@@ -88,10 +88,8 @@ class ModelServer:
         reach the ingress intact; a raised one would arrive wrapped in Ray's task error) and
         ends the stream. Cancellation (client gone) closes the engine's
         generator, which stops the request in the engine."""
-        adapter = request.lora_name
-        if adapter in (None, BASE_MODEL, *self.config.lora_adapters):
-            adapter = None
-        else:
+        adapter = runtime_adapter(request.lora_name, self.config)
+        if adapter is not None:
             self._adapters_in_flight[adapter] += 1
         try:
             async for deltas in batch_stream(self.engine.generate(request), STREAM_BATCHING_INTERVAL_S):

@@ -115,10 +115,8 @@ class PrefixAffinityIndex:
         return {replica for replica, sent in self._adapters.get(adapter, {}).items()
                 if reported_at.get(replica, float("-inf")) < sent + REPORT_GRACE_S}
 
-    def record(self, replica: Any, hashes: list[bytes], session_id: str = "", adapter: str | None = None,
-               now: float | None = None) -> None:
-        """`replica` was sent a prompt of these block hashes (and this session, this adapter, at
-        `now`: `time.time()` by default)."""
+    def record(self, replica: Any, hashes: list[bytes], session_id: str = "", adapter: str | None = None) -> None:
+        """`replica` was sent a prompt of these block hashes (and this session, this adapter, now)."""
         # Deepest first, so a shared root is the most recently used and eviction takes leaves first.
         for block in reversed(hashes):
             holders = self._blocks.get(block)
@@ -133,7 +131,7 @@ class PrefixAffinityIndex:
             self._sessions[session_id] = replica
             self._bound(self._sessions, session_id)
         if adapter:
-            self._adapters.setdefault(adapter, {})[replica] = time.time() if now is None else now
+            self._adapters.setdefault(adapter, {})[replica] = time.time()
             self._bound(self._adapters, adapter)
 
     def _bound(self, table: OrderedDict, key: str) -> None:
@@ -223,10 +221,10 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         by_id = {r.replica_id: r for r in candidates}
         chosen: list[ReplicaID] = []
         threshold = self.imbalanced_threshold
-        hashes = self.index.hashes(request.prompt_token_ids, request.lora_name or "")
         if (sticky := self.index.session_replica(session_id)) in by_id:
-            chosen = [sticky]
-        elif request.lora_name and (holders := self.adapter_holders(request.lora_name, by_id)):
+            return [by_id[sticky]] if self.in_flight.get(sticky, 0) - self._least(by_id) <= threshold else []
+        hashes = self.index.hashes(request.prompt_token_ids, request.lora_name or "")
+        if request.lora_name and (holders := self.adapter_holders(request.lora_name, by_id)):
             best, _ = self.index.longest(hashes, holders)
             chosen = sorted(holders, key=lambda rid: (rid not in best, self.in_flight.get(rid, 0)))
             threshold = self.adapter_imbalanced_threshold
@@ -234,8 +232,12 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
             best, matched = self.index.longest(hashes, set(by_id))
             if best and matched * self.index.block_tokens >= self.match_rate_threshold * len(request.prompt_token_ids):
                 chosen = sorted(best, key=lambda rid: self.in_flight.get(rid, 0))
-        least = min(self.in_flight.get(rid, 0) for rid in by_id) if chosen else 0
+        least = self._least(by_id) if chosen else 0
         return [by_id[rid] for rid in chosen if self.in_flight.get(rid, 0) - least <= threshold]
+
+    def _least(self, replicas: dict[ReplicaID, RunningReplica]) -> int:
+        """The fewest requests in flight on one of `replicas`."""
+        return min(self.in_flight.get(rid, 0) for rid in replicas)
 
     def adapter_holders(self, adapter: str, replicas: dict[ReplicaID, RunningReplica]) -> set[ReplicaID]:
         """The replicas of `replicas` that hold LoRA adapter `adapter` or are about to: those

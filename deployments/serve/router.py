@@ -25,7 +25,7 @@ from deployments.metrics import IngressMetrics
 from deployments.serve.model_client import InProcessClient, ReplicaClient
 from deployments.openai.protocol import SamplingFields
 from engines import engine_capabilities
-from engines.base import Capabilities, GenerationDelta, GenerationRequest, TokenLogprob, Usage
+from engines.base import Capabilities, GenerationDelta, GenerationRequest, TokenLogprob, Usage, runtime_adapter
 from engines.config import BASE_MODEL, EngineConfig
 from engines.errors import ErrorKind, ServingError
 from deployments.serve.lora_registry import LoraRegistry
@@ -107,7 +107,7 @@ class ServedModel:
     @property
     def from_store(self) -> bool:
         """Whether this ID is an adapter of the model's `lora_modules_path`."""
-        return self.lora_path is None and self.lora_name not in (None, BASE_MODEL, *self.config.lora_adapters)
+        return self.lora_path is None and runtime_adapter(self.lora_name, self.config) is not None
 
     @property
     def root(self) -> str:

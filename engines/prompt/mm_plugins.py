@@ -229,16 +229,16 @@ class InternVLPlugin(ImagePlugin):
 
     def model_inputs(self, images: list[Any], processor: Any) -> dict[str, Any]:
         """`InternVLPlugin._get_mm_inputs` for images."""
-        kwargs = {"crop_to_patches": True, "max_patches": 12, "min_patches": 1} if getattr(
-            processor, "crop_to_patches", False) else {}
-        return dict(processor.image_processor(images=images, return_tensors="pt", **kwargs))
+        return dict(processor.image_processor(images=images, return_tensors="pt", **self.processor_kwargs(processor)))
 
     def processor_kwargs(self, processor: Any) -> dict[str, Any]:
-        # transformers' InternVLProcessor crops to patches unless told not to (its
-        # `images_kwargs` default); LLaMA-Factory calls the image processor, which does not
+        """LLaMA-Factory's options, spelled out: with `crop_to_patches`, 1 to 12 tiles; without,
+        the image processor's own `crop_to_patches` (off in InternVL's checkpoints).
+        transformers' `InternVLProcessor`, which vLLM runs, crops unless told not to (its
+        `images_kwargs` default)."""
         if getattr(processor, "crop_to_patches", False):
             return {"crop_to_patches": True, "max_patches": 12, "min_patches": 1}
-        return {"crop_to_patches": False}
+        return {"crop_to_patches": bool(getattr(processor.image_processor, "crop_to_patches", False))}
 
     def image_seqlens(self, model_inputs: dict[str, Any], processor: Any, count: int) -> list[int]:
         return [processor.image_seq_length * int(tiles) for tiles in model_inputs["num_patches"]]
