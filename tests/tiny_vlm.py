@@ -224,20 +224,37 @@ GEMMA_TURN_TOKENS = ["<start_of_turn>", "<end_of_turn>"]  # in Gemma's vocabular
 PALIGEMMA_SEQ_LENGTH = (IMAGE_SIZE // PATCH_SIZE) ** 2  # image tokens per image: 16 patches, no CLS
 
 
+# Gemma's vocabulary has whole tokens for runs of newlines, and vLLM's PaliGemma and Gemma 3
+# processors look them up by text (vocab["\n"]); the default model's byte-level tokenizer has none.
+GEMMA_NEWLINE_TOKENS = ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]
+
+
+def add_gemma_newlines(tokenizer: Any) -> None:
+    """Add `GEMMA_NEWLINE_TOKENS` to `tokenizer` as normal (not special) tokens, longest first
+    in matching, as Gemma's tokenizer has them."""
+    from tokenizers import AddedToken
+
+    tokenizer.add_tokens([AddedToken(token, normalized=False, special=False) for token in GEMMA_NEWLINE_TOKENS])
+
+
 def build_tiny_paligemma(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True,
-                         head_dim: int = 16) -> Path:
+                         head_dim: int = 16, gemma_newlines: bool = False) -> Path:
     """A tiny random PaliGemma: a 1-layer SigLIP vision tower (32x32 images, 8x8 patches -> 16
     image tokens per image, the image processor's `image_seq_length`), a 2-layer Gemma language
     model, the default model's tokenizer with `<image>` and Gemma's turn tokens added, SigLIP's
     image processor (PIL backend) and `PaliGemmaProcessor` (which adds PaliGemma's 1152
     `<locNNNN>`/`<segNNN>` tokens to the tokenizer, as in a PaliGemma checkpoint). Without
-    `weights`, the config alone stands for the model (enough to render prompts)."""
+    `weights`, the config alone stands for the model (enough to render prompts). With
+    `gemma_newlines`, the tokenizer also has Gemma's newline tokens (`add_gemma_newlines`; vLLM
+    needs them; LLaMA-Factory's fixtures are written without)."""
     from transformers import (AutoTokenizer, GemmaConfig, GenerationConfig, PaliGemmaConfig,
                               PaliGemmaForConditionalGeneration, PaliGemmaProcessor, SiglipVisionConfig)
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, *GEMMA_TURN_TOKENS]})
+    if gemma_newlines:
+        add_gemma_newlines(tokenizer)
     image_processor = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     image_processor.image_seq_length = PALIGEMMA_SEQ_LENGTH
     processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer)
@@ -251,6 +268,8 @@ def build_tiny_paligemma(out: Path, tokenizer_dir: Path, seed: int = 0, weights:
     config = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
                              vocab_size=len(tokenizer), projection_dim=64, hidden_size=64)
     save_model(PaliGemmaForConditionalGeneration, config, out, seed, weights)
+    if weights:  # the Hub's layout, as `build_tiny_llava`
+        hub_layout(out / "model.safetensors", "vision_tower.", "vision_tower.vision_model.")
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out
@@ -263,18 +282,21 @@ GEMMA3_SEQ_LENGTH = 4  # image tokens per image: 4x4 patches pooled 2x2 (`mm_tok
 
 
 def build_tiny_gemma3(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bool = True,
-                      head_dim: int = 16) -> Path:
+                      head_dim: int = 16, gemma_newlines: bool = False) -> Path:
     """A tiny random Gemma 3: a 1-layer SigLIP vision tower (32x32 images, 8x8 patches pooled to
     `GEMMA3_SEQ_LENGTH` image tokens), a 2-layer Gemma 3 language model, the default model's
     tokenizer with Gemma 3's image tokens (`GEMMA3_IMAGE_TOKENS`) and turn tokens added, Gemma 3's
     image processor (PIL backend; pan and scan as a request option) and `Gemma3Processor`.
-    Without `weights`, the config alone stands for the model (enough to render prompts)."""
+    Without `weights`, the config alone stands for the model (enough to render prompts);
+    `gemma_newlines` as for `build_tiny_paligemma`."""
     from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor,
                               Gemma3TextConfig, GenerationConfig, SiglipVisionConfig)
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), extra_special_tokens=GEMMA3_IMAGE_TOKENS)
     tokenizer.add_special_tokens({"additional_special_tokens": GEMMA_TURN_TOKENS})
+    if gemma_newlines:
+        add_gemma_newlines(tokenizer)
     image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                 image_seq_length=GEMMA3_SEQ_LENGTH)
@@ -290,6 +312,8 @@ def build_tiny_gemma3(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bo
     config = Gemma3Config(text_config=Gemma3TextConfig(**text), vision_config=vision,
                           mm_tokens_per_image=GEMMA3_SEQ_LENGTH, **ids)
     save_model(Gemma3ForConditionalGeneration, config, out, seed, weights)
+    if weights:  # the Hub's layout, as `build_tiny_llava`
+        hub_layout(out / "model.safetensors", "vision_tower.", "vision_tower.vision_model.")
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out
