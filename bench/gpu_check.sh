@@ -2,7 +2,8 @@
 # GPU check of the vllm backend: on a machine with an NVIDIA GPU, in under ten
 # minutes, install lmserve with the CUDA vLLM, serve the default model through Ray Serve with
 # `infer_backend: vllm` on the GPU, send a few requests (plain, streamed, stop string, n=2) and
-# print the answers and tokens/s. Output also goes to bench/results/gpu_check.txt.
+# print the answers and tokens/s, then check images on vLLM's CUDA build against the huggingface
+# backend (tiny VLMs, tests/test_multimodal_vllm.py). Output also goes to bench/results/gpu_check.txt.
 #
 #   bash bench/gpu_check.sh            # run from the repository root
 #
@@ -41,4 +42,11 @@ trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' 
 
 "$venv/bin/python" -m bench.lab.gpu_check_requests --port "$port" --model smollm2-vllm --seed 1 \
   --server-log /tmp/gpu_check_server.log
+kill -TERM $server 2>/dev/null || true
+wait $server 2>/dev/null || true
+
+# Images: tiny random-weight VLMs (tests/tiny_vlm.py) on vLLM's CUDA build, greedy answers against
+# the huggingface backend's; a failure here is printed, not fatal, so the text results stand.
+timeout 300 "$venv/bin/python" -m pytest tests/test_multimodal_vllm.py -m slow \
+  --run-extended -q -rA -p no:cacheprovider || echo "images on vLLM's CUDA build: FAILED (above)"
 echo "output written to $out"
