@@ -4,7 +4,8 @@ peft's own per-adapter loop, on a tiny random Llama with adapters of different r
 import pytest
 import torch
 
-from engines.huggingface.lora_batch import install_batched_lora, lora_version_changed
+from engines.huggingface.lora_batch import (adapter_rows, install_batched_lora, lora_rows_supported,
+                                            lora_version_changed)
 
 
 def tiny_llama():
@@ -105,3 +106,52 @@ def test_lora_with_bias_keeps_peft_path(model):
     with torch.no_grad():
         got = model(input_ids=ids, adapter_names=names).logits
     torch.testing.assert_close(got, peft_logits(model, ids, names), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_adapter_rows_equal_peft_without_its_hooks(model, tokens, monkeypatch):
+    """Inside `adapter_rows` each row gets its adapter as with peft's `adapter_names`, and the
+    pass registers no forward hook (peft registers one per LoRA layer on every pass)."""
+    names = ["c", "a", "__base__", "b", "b"]
+    ids = torch.randint(0, 128, (len(names), tokens), generator=torch.Generator().manual_seed(tokens))
+    expected = peft_logits(model, ids, names)
+    install_batched_lora(model)
+    assert lora_rows_supported(model)
+    registered = []
+    original = torch.nn.Module.register_forward_pre_hook
+    monkeypatch.setattr(torch.nn.Module, "register_forward_pre_hook",
+                        lambda self, *a, **k: registered.append(self) or original(self, *a, **k))
+    with torch.no_grad(), adapter_rows(model, names):
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert registered == []
+    # outside the context, a layer is peft's again: the active adapter on every row
+    model.set_adapter("b")
+    with torch.no_grad():
+        outside = model(input_ids=ids).logits
+    torch.testing.assert_close(outside, peft_logits(model, ids, ["b"] * len(names)), rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_rows_refuse_an_unknown_adapter(model):
+    install_batched_lora(model)
+    with pytest.raises(ValueError, match="non-existing adapter.*gone"), adapter_rows(model, ["a", "gone"]):
+        pass
+
+
+def test_adapters_adapter_rows_cannot_apply_keep_peft_hooks(model):
+    """A LoRA bias or LoRA on the embeddings is outside what the stacks compute: such a model is
+    not `lora_rows_supported` (the batcher passes `adapter_names`); a model whose adapters
+    are all plain becomes supported again once the others are deleted."""
+    from peft import LoraConfig
+
+    install_batched_lora(model)
+    assert lora_rows_supported(model)
+    model.add_adapter("embed", LoraConfig(r=4, target_modules=["embed_tokens"]))
+    install_batched_lora(model)
+    assert not lora_rows_supported(model)
+    model.delete_adapter("embed")
+    install_batched_lora(model)
+    assert lora_rows_supported(model)
+    model.add_adapter("biased", LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True))
+    install_batched_lora(model)
+    assert not lora_rows_supported(model)

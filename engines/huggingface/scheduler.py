@@ -72,6 +72,8 @@ from engines.huggingface.kv_cache import (
     select_cache_rows,
     trim_cache_columns,
 )
+from engines.huggingface.adapters import PEFT_BASE
+from engines.huggingface.lora_batch import adapter_rows, lora_rows_supported
 from engines.huggingface.prefix_cache import PrefixCache
 from engines.huggingface.sampling import BatchSampler
 from engines.structured_output import BatchGrammarMask, grammar_matcher
@@ -738,10 +740,9 @@ class ContinuousBatcher:
         # Prompt logprobs come from this pass's logits over every column (no second pass), so a
         # prefill that wants them computes the LM head over its whole chunk.
         wants_prompt = any(r.params.prompt_logprobs is not None for r in admitted)
-        out = self.model(input_ids=job.ids[:, start:end], attention_mask=job.mask[:, :end],
-                         position_ids=job.positions[..., start:end], past_key_values=job.cache,
-                         use_cache=self.use_kv_cache, **media, **self._adapter_kwargs(admitted),
-                         **({} if wants_prompt else self._last_logits))
+        out = self._forward(admitted, input_ids=job.ids[:, start:end], attention_mask=job.mask[:, :end],
+                            position_ids=job.positions[..., start:end], past_key_values=job.cache,
+                            use_cache=self.use_kv_cache, **media, **({} if wants_prompt else self._last_logits))
         if wants_prompt:
             self._prompt_logprobs(job, start, end, out.logits)
         job.cache, job.done = out.past_key_values if self.use_kv_cache else None, end
@@ -825,9 +826,9 @@ class ContinuousBatcher:
             positions = (mask.sum(-1, keepdim=True) - 1)
             if any(r.rope_delta for r in self._rows):
                 positions = positions + torch.tensor([[r.rope_delta] for r in self._rows], device=self.device)
-            out = self.model(input_ids=self._next_tokens[:, None], attention_mask=mask, position_ids=positions,
-                             past_key_values=self._cache, use_cache=True,
-                             **self._adapter_kwargs([r.request for r in self._rows]))
+            out = self._forward([r.request for r in self._rows], input_ids=self._next_tokens[:, None],
+                                attention_mask=mask, position_ids=positions, past_key_values=self._cache,
+                                use_cache=True)
             self._cache, self._mask = out.past_key_values, mask
             logits = out.logits[:, -1, :].float()
         else:
@@ -844,13 +845,19 @@ class ContinuousBatcher:
         media = row.request.model_inputs or {}
         if media and self._rope_index is not None:  # the model computes the positions of the whole sequence
             media = {**media, "mm_token_type_ids": (ids == self._rope_index[1]).int()}
-        return self.model(input_ids=ids, use_cache=False, **media,
-                          **self._adapter_kwargs([row.request]), **self._last_logits).logits[:, -1, :].float()
+        return self._forward([row.request], input_ids=ids, use_cache=False, **media,
+                             **self._last_logits).logits[:, -1, :].float()
 
-    def _adapter_kwargs(self, requests: list[BatchRequest]) -> dict:
+    def _forward(self, requests: list[BatchRequest], **inputs: Any) -> Any:
+        """`self.model(**inputs)`, each row with its request's LoRA adapter on a peft model
+        (`lora_batch.adapter_rows`; peft's `adapter_names` where the model's adapters need it)."""
         if not self._mixed_adapters:
-            return {}
-        return {"adapter_names": [r.lora_name or "__base__" for r in requests]}
+            return self.model(**inputs)
+        names = [r.lora_name or PEFT_BASE for r in requests]
+        if lora_rows_supported(self.model):
+            with adapter_rows(self.model, names):
+                return self.model(**inputs)
+        return self.model(**inputs, adapter_names=names)
 
     @staticmethod
     def _logprobs(rows: list[_Row], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:
