@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the adapter mix")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--configs", default="base,prefix,pow2")
+    parser.add_argument("--engine-args", type=json.loads, default={},
+                        help="more model entry fields for every configuration (JSON), "
+                             "e.g. '{\"hf_prefix_cache_tokens\": 0}'")
     parser.add_argument("--out", type=Path, help="write the numbers as JSON")
     args = parser.parse_args(argv)
     store = venvs.BENCH_DIR / ".cache" / "lora-store"
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         s.engine_args = {"lora_modules_path": str(store), "max_loras_per_replica": args.max_loras_per_replica,
                          "deployment": {"num_replicas": args.replicas,
                                         "ray_actor_options": {"num_cpus": 2 / args.replicas},
-                                        "request_router_config": router_config}}
+                                        "request_router_config": router_config},
+                         **args.engine_args}
         port = free_port()
         spec = server_spec("lmserve-hf", s, port)
         server = ServerProcess(spec.cmd, spec.env, venvs.REPO_ROOT, log_dir / f"lora-mix-{config}.log",
