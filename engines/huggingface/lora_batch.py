@@ -18,8 +18,9 @@ Every LoRA linear layer's `forward` is replaced as well (`install_batched_lora`)
 `adapter_rows(model, names)` a forward pass applies each row's adapter from the stacks without
 peft's `adapter_names` machinery, which on every pass walks every module of the model twice (to
 check the names and to register and remove a forward pre-hook on each LoRA layer) and checks the
-arguments in every LoRA layer: 11 ms of a 105 ms decode step of 8 rows on SmolLM2-135M with 16
-adapters loaded, even when no row used one. Outside that context, a layer runs peft's forward.
+arguments in every LoRA layer, even when no row uses an adapter (a decode step of 8 rows over 8
+adapters: 1.33x the plain model's with `adapter_names`, 1.05x this way; docs/performance.md,
+`bench.lab.lora_step`). Outside that context, a layer runs peft's forward.
 
 Only vanilla LoRA on `nn.Linear` layers takes this path; DoRA and other variants, LoRA biases and
 embedding layers keep peft's (a model with any of them, or with `modules_to_save`, is not
@@ -85,9 +86,9 @@ def lora_rows_supported(model: Any) -> bool:
 
 @contextmanager
 def adapter_rows(model: Any, names: list[str]) -> Iterator[None]:
-    """Forward passes of peft `model` on this thread inside apply adapter `names[i]` (a peft
-    adapter name, `__base__`: none) to row `i`, as peft's `adapter_names` argument does, through
-    the layers' stacks; only for a model that is `lora_rows_supported`.
+    """Within this context, forward passes of peft `model` on this thread apply adapter
+    `names[i]` (a peft adapter name, `__base__`: none) to row `i` through the layers' stacks, as
+    peft's `adapter_names` argument does; only for a model that is `lora_rows_supported`.
 
     Raises:
         ValueError: a name is not an adapter of `model` (peft's message).
