@@ -182,6 +182,19 @@ def assert_parse_and_forced_call(client, model: str, tool_choice) -> None:
         jsonschema.validate(json.loads(call.function.arguments), params)
 
 
+@pytest.fixture
+def forward_hooks_registered(monkeypatch) -> list:
+    """The modules a forward pre-hook is registered on from now on in this test (peft registers
+    one per LoRA layer on every pass that takes `adapter_names`)."""
+    import torch
+
+    registered: list = []
+    original = torch.nn.Module.register_forward_pre_hook
+    monkeypatch.setattr(torch.nn.Module, "register_forward_pre_hook",
+                        lambda self, *a, **k: registered.append(self) or original(self, *a, **k))
+    return registered
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A weightless model directory for the fast tier (`fake_engine.write_tiny_model_dir`: a

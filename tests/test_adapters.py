@@ -149,23 +149,17 @@ def test_each_adapter_alone_and_the_base_model(two_adapters, answers):
     assert greedy(two_adapters, "dpo") not in (answers["base"], answers["merged_both"])
 
 
-def test_one_batch_mixes_the_model_its_adapters_and_its_base(two_adapters, answers, monkeypatch):
+def test_one_batch_mixes_the_model_its_adapters_and_its_base(two_adapters, answers, forward_hooks_registered):
     """Rows with different adapters share forward passes and keep their own answers, without
     peft's per-pass forward hooks (`lora_batch.adapter_rows`)."""
-    import torch
-
     names = [None, BASE_MODEL, "sft", None, "dpo", BASE_MODEL]
 
     async def together():
         return await asyncio.gather(*(collect(two_adapters, request(PROMPTS[0], name)) for name in names))
 
     alone = {name: greedy(two_adapters, name)[0] for name in set(names)}
-    hooks = []
-    original = torch.nn.Module.register_forward_pre_hook
-    monkeypatch.setattr(torch.nn.Module, "register_forward_pre_hook",
-                        lambda self, *a, **k: hooks.append(self) or original(self, *a, **k))
     got = [text_of(deltas) for deltas in run(together())]
-    assert hooks == []
+    assert forward_hooks_registered == []
     assert got == [alone[name] for name in names]
     assert alone[None] == answers["merged_both"][0] and alone[BASE_MODEL] == answers["base"][0]
 

@@ -109,7 +109,7 @@ def test_lora_with_bias_keeps_peft_path(model):
 
 
 @pytest.mark.parametrize("tokens", [1, 7])
-def test_adapter_rows_equal_peft_without_its_hooks(model, tokens, monkeypatch):
+def test_adapter_rows_equal_peft_without_its_hooks(model, tokens, forward_hooks_registered):
     """Inside `adapter_rows` each row gets its adapter as with peft's `adapter_names`, and the
     pass registers no forward hook (peft registers one per LoRA layer on every pass)."""
     names = ["c", "a", "__base__", "b", "b"]
@@ -117,14 +117,11 @@ def test_adapter_rows_equal_peft_without_its_hooks(model, tokens, monkeypatch):
     expected = peft_logits(model, ids, names)
     install_batched_lora(model)
     assert lora_rows_supported(model)
-    registered = []
-    original = torch.nn.Module.register_forward_pre_hook
-    monkeypatch.setattr(torch.nn.Module, "register_forward_pre_hook",
-                        lambda self, *a, **k: registered.append(self) or original(self, *a, **k))
+    forward_hooks_registered.clear()  # peft's own pass above registers them
     with torch.no_grad(), adapter_rows(model, names):
         got = model(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert registered == []
+    assert forward_hooks_registered == []
     # outside the context, a layer is peft's again: the active adapter on every row
     model.set_adapter("b")
     with torch.no_grad():

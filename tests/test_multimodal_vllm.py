@@ -46,7 +46,7 @@ WITH_CHAT_TEMPLATE = {"llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_next
 # reads them as transformers does
 IMAGES_BARELY_MATTER = {"paligemma", "gemma3", "intern_vl"}
 # the models vLLM 0.32 takes at most one image per prompt for
-ONE_IMAGE_PER_PROMPT = {"paligemma": 1}
+MAX_IMAGES_PER_PROMPT = {"paligemma": 1}
 # what vLLM 0.32 does with these tiny models (docs/backends.md); strict: a fix shows up as a failure
 NOT_YET: dict[str, str] = {}
 
@@ -104,7 +104,7 @@ def test_vllm_images_answer_as_the_huggingface_backend(vlm):
     if name not in IMAGES_BARELY_MATTER:
         assert len(set(expected.values())) >= len(IMAGE_SETS)  # the images change the answers
     # vLLM's PaliGemma takes one image per prompt (its `get_supported_mm_limits`): more is a 400
-    limit = ONE_IMAGE_PER_PROMPT.get(name, len(max(IMAGE_SETS, key=len)))
+    limit = MAX_IMAGES_PER_PROMPT.get(name, max(map(len, IMAGE_SETS)))
     refused = [request for _, request in requests if len(request.media.images) > limit]
     requests = [(label, request) for label, request in requests if len(request.media.images) <= limit]
 

@@ -33,14 +33,19 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_model(model_class: Any, config: Any, out: Path, seed: int, weights: bool) -> None:
+def save_model(model_class: Any, config: Any, out: Path, seed: int, weights: bool,
+               hub_vision_tower: bool = False) -> None:
     """`model_class(config)` with weights drawn from `seed` saved to `out`; without `weights`,
-    the config alone."""
+    the config alone. With `hub_vision_tower`, the vision tower's tensors are renamed to the Hub
+    checkpoints' layout (`vision_tower.vision_model.*`, `hub_layout`): transformers 5 saves
+    them without `vision_model.`, which vLLM 0.32 does not load."""
     import torch
 
     if weights:
         torch.manual_seed(seed)
         model_class(config).eval().save_pretrained(out)
+        if hub_vision_tower:
+            hub_layout(out / "model.safetensors", "vision_tower.", "vision_tower.vision_model.")
     else:
         config.save_pretrained(out)
 
@@ -85,9 +90,7 @@ def build_tiny_llava(out: Path, tokenizer_dir: Path, seed: int = 0, weights: boo
                               image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id,
                          vision_feature_select_strategy="default", vision_feature_layer=-1)
-    save_model(LlavaForConditionalGeneration, config, out, seed, weights)
-    if weights:
-        hub_layout(out / "model.safetensors", "vision_tower.", "vision_tower.vision_model.")
+    save_model(LlavaForConditionalGeneration, config, out, seed, weights, hub_vision_tower=True)
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out
@@ -212,9 +215,7 @@ def build_tiny_llava_next(out: Path, tokenizer_dir: Path, seed: int = 0, weights
     config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
                              image_grid_pinpoints=LLAVA_NEXT_GRID_PINPOINTS,
                              vision_feature_select_strategy="default", vision_feature_layer=-1)
-    save_model(LlavaNextForConditionalGeneration, config, out, seed, weights)
-    if weights:  # the Hub's layout, as `build_tiny_llava`
-        hub_layout(out / "model.safetensors", "vision_tower.", "vision_tower.vision_model.")
+    save_model(LlavaNextForConditionalGeneration, config, out, seed, weights, hub_vision_tower=True)
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out
@@ -267,9 +268,7 @@ def build_tiny_paligemma(out: Path, tokenizer_dir: Path, seed: int = 0, weights:
                                 image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, vision_use_head=False)
     config = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
                              vocab_size=len(tokenizer), projection_dim=64, hidden_size=64)
-    save_model(PaliGemmaForConditionalGeneration, config, out, seed, weights)
-    if weights:  # the Hub's layout, as `build_tiny_llava`
-        hub_layout(out / "model.safetensors", "vision_tower.", "vision_tower.vision_model.")
+    save_model(PaliGemmaForConditionalGeneration, config, out, seed, weights, hub_vision_tower=True)
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out
@@ -311,9 +310,7 @@ def build_tiny_gemma3(out: Path, tokenizer_dir: Path, seed: int = 0, weights: bo
                                 image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, vision_use_head=False)
     config = Gemma3Config(text_config=Gemma3TextConfig(**text), vision_config=vision,
                           mm_tokens_per_image=GEMMA3_SEQ_LENGTH, **ids)
-    save_model(Gemma3ForConditionalGeneration, config, out, seed, weights)
-    if weights:  # the Hub's layout, as `build_tiny_llava`
-        hub_layout(out / "model.safetensors", "vision_tower.", "vision_tower.vision_model.")
+    save_model(Gemma3ForConditionalGeneration, config, out, seed, weights, hub_vision_tower=True)
     processor.save_pretrained(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id).save_pretrained(out)
     return out

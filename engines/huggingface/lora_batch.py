@@ -121,10 +121,14 @@ class _Stack:
         self.names = tuple(names)
         self.plain = _plain_lora(layer)
 
-    def rows(self, adapter_names: list[str]) -> torch.Tensor:
-        """Each row's entry: its adapter's, or the zero entry."""
+    def rows(self, adapter_names: list[str]) -> torch.Tensor | None:
+        """Each row's entry: its adapter's, or the zero entry; None when every row has the zero
+        entry (the layer adds nothing)."""
         zero = len(self.names)
-        return torch.tensor([self.position.get(n, zero) for n in adapter_names], device=self.A.device)
+        entries = [self.position.get(n, zero) for n in adapter_names]
+        if all(entry == zero for entry in entries):
+            return None
+        return torch.tensor(entries, device=self.A.device)
 
 
 def _plain_lora(layer: Any) -> bool:
@@ -163,10 +167,9 @@ def rows_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch
     if stack is None or not stack.plain:
         return type(self)._mixed_batch_forward(self, x, *args, adapter_names=names, **kwargs)
     result = self.base_layer(x, *args, **kwargs)
-    rows = _STEP.rows.get(stack.names)
-    if rows is None:  # one index tensor per pass and adapter set, not per layer
-        rows = _STEP.rows[stack.names] = stack.rows(names)
-    return _add_rows_delta(stack, x, result, rows)
+    if stack.names not in _STEP.rows:  # one index per pass and adapter set, not per layer
+        _STEP.rows[stack.names] = stack.rows(names)
+    return _add_rows_delta(stack, x, result, _STEP.rows[stack.names])
 
 
 def _stack(layer: Any) -> _Stack | None:
@@ -180,10 +183,10 @@ def _stack(layer: Any) -> _Stack | None:
     return stack
 
 
-def _add_rows_delta(stack: _Stack, x: torch.Tensor, result: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _add_rows_delta(stack: _Stack, x: torch.Tensor, result: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """`result` plus each row's LoRA delta, `B[rows[i]] @ A[rows[i]] @ x[i]`, in two batched
-    products; `result` itself when every row has the zero entry."""
-    if bool((rows == len(stack.names)).all()):
+    products; `result` itself when `rows` is None (`_Stack.rows`: no row has an adapter here)."""
+    if rows is None:
         return result
     hidden = x.to(stack.A.dtype)
     squeeze = hidden.dim() == 2
