@@ -7,8 +7,9 @@ used unloaded first: vLLM's `--lora-modules` resolved on demand with `max_loras`
 (name -> the peft adapter name their rows use), how many running requests use each, and one
 load at a time per adapter (requests for an adapter being loaded wait for that load, not for
 each other; a remote adapter is downloaded within its load). The model change itself (peft's
-`load_adapter` / `delete_adapter`) is the caller's `swap`, which the huggingface engine runs on
-the batcher's worker thread between two steps, so no forward pass sees a half-loaded adapter.
+`load_adapter` / `delete_adapter`, or the layers' stacks: `lora_batch.add_stacked_adapter`) is the
+caller's `swap`, which the huggingface engine finishes on the batcher's worker thread between two
+steps, so no forward pass sees a half-loaded adapter.
 
 Each load gets a new peft name (`dyn<k>_<name>`): the prefix cache keys KV by it, so an adapter
 that is unloaded and loaded again, maybe with other weights, never meets its old cached KV.

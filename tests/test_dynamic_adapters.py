@@ -19,6 +19,7 @@ from engines.base import GenerationRequest, SamplingParams
 from engines.config import BASE_MODEL, ConfigError, EngineConfig
 from engines.errors import ModelLoadError, ServingError
 from engines.dynamic_adapters import DynamicAdapters
+from engines.huggingface.lora_batch import stacked_adapter_names
 from fake_engine import FakeEngine, serve_fake
 
 
@@ -256,6 +257,10 @@ def test_adapters_copied_into_the_store_answer_as_configured_ones(model_dir, lor
         assert answer(engine, "first") == tuned
         assert answer(engine, "second") == tuned  # "first" unloaded to make room
         assert list(engine._dynamic_adapters.loaded) == ["second"] and engine._dynamic_adapters.evictions == 1
+        # the first load made the model a peft model; the next adapter joined the layers' stacks
+        # alone, not as peft modules (`lora_batch.add_stacked_adapter`), and "first" left peft
+        second = engine._dynamic_adapters.loaded["second"]
+        assert stacked_adapter_names(engine._model) == {second} and not engine._model.peft_config
         assert answer(engine) == base  # rows without an adapter run the base model
         assert answer(engine, "first") == tuned
         shutil.copytree(lora_dir, store / "third")  # added while serving

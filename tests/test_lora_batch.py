@@ -4,8 +4,9 @@ peft's own per-adapter loop, on a tiny random Llama with adapters of different r
 import pytest
 import torch
 
-from engines.huggingface.lora_batch import (adapter_rows, install_batched_lora, lora_rows_supported,
-                                            lora_version_changed)
+from engines.huggingface.lora_batch import (add_stacked_adapter, adapter_rows, install_batched_lora,
+                                            load_stacked_adapters_with_peft, lora_rows_supported, lora_version_changed,
+                                            read_stacked_adapter, remove_stacked_adapter, stacked_adapter_names)
 
 
 def tiny_llama():
@@ -17,10 +18,10 @@ def tiny_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def add_adapter(model, name, rank, targets, seed, alpha=16):
+def add_adapter(model, name, rank, targets, seed, alpha=16, **options):
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.1)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.1, **options)
     if isinstance(model, PeftModel):
         model.add_adapter(name, config)
     else:
@@ -152,3 +153,115 @@ def test_adapters_adapter_rows_cannot_apply_keep_peft_hooks(model):
     model.add_adapter("biased", LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True))
     install_batched_lora(model)
     assert not lora_rows_supported(model)
+
+
+# ---- adapters held in the stacks alone (loaded at run time) ------------------------------
+
+def saved_adapter(directory, rank, targets, seed, **options):
+    """An adapter of `tiny_llama` saved by peft into `directory`."""
+    add_adapter(tiny_llama(), "default", rank, targets, seed, **options).save_pretrained(directory)
+    return str(directory)
+
+
+def model_with_peft_loaded(path, name):
+    """The `model` fixture's adapters plus the adapter at `path` loaded by peft as `name`."""
+    model = add_adapter(tiny_llama(), "a", 4, ["q_proj", "v_proj"], seed=1)
+    model = add_adapter(model, "b", 8, ["q_proj", "k_proj", "o_proj", "down_proj"], seed=2, alpha=8)
+    model = add_adapter(model, "c", 2, ["v_proj", "up_proj"], seed=3)
+    model.load_adapter(path, adapter_name=name)
+    return model.eval()
+
+
+@pytest.mark.parametrize("options", [{}, {"use_rslora": True}])
+def test_a_stacked_adapter_answers_as_the_same_adapter_loaded_by_peft(model, tmp_path, options):
+    path = saved_adapter(tmp_path / "d", 6, ["q_proj", "v_proj", "o_proj"], seed=4, **options)
+    install_batched_lora(model)
+    modules = len(list(model.modules()))
+    stacked = read_stacked_adapter(model, path)
+    assert stacked is not None
+    add_stacked_adapter(model, "d", stacked)
+    assert "d" not in model.peft_config and len(list(model.modules())) == modules  # no peft module made
+    assert stacked_adapter_names(model) == {"d"}
+    names = ["d", "a", "__base__", "b", "d", "c"]
+    ids = torch.randint(0, 128, (len(names), 5), generator=torch.Generator().manual_seed(5))
+    expected = peft_logits(model_with_peft_loaded(path, "d"), ids, names)
+    with torch.no_grad(), adapter_rows(model, names) as forward:
+        got = forward(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[0], peft_logits(model, ids, ["__base__"] * len(names))[0])  # d changes its rows
+
+    remove_stacked_adapter(model, "d")
+    assert stacked_adapter_names(model) == set()
+    with pytest.raises(ValueError, match="non-existing adapter.*d"), adapter_rows(model, names):
+        pass
+    rest = [1, 2, 3, 5]  # the rows of a, base, b and c
+    with torch.no_grad(), adapter_rows(model, [names[i] for i in rest]) as forward:
+        torch.testing.assert_close(forward(input_ids=ids[rest]).logits, expected[rest], rtol=1e-5, atol=1e-5)
+
+
+def test_only_stacked_adapters_left_still_serve(model, tmp_path):
+    """peft's own forward looks its active adapter up, which fails once every peft adapter is
+    deleted; `adapter_rows` calls the transformers model inside it instead."""
+    path = saved_adapter(tmp_path / "d", 4, ["q_proj", "v_proj"], seed=4)
+    install_batched_lora(model)
+    add_stacked_adapter(model, "d", read_stacked_adapter(model, path))
+    for name in ("a", "b", "c"):
+        model.delete_adapter(name)
+    install_batched_lora(model)
+    names = ["d", "__base__"]
+    ids = torch.randint(0, 128, (2, 3), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), adapter_rows(model, names) as forward:
+        got = forward(input_ids=ids).logits
+    reference = add_adapter(tiny_llama(), "a", 4, ["q_proj"], seed=1)
+    reference.load_adapter(path, adapter_name="d")
+    torch.testing.assert_close(got, peft_logits(reference.eval(), ids, names), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["dora", "lora bias", "a layer without LoRA", "embeddings", "weights missing",
+                                  "rank pattern", "model needs adapter_names"])
+def test_adapters_the_stacks_cannot_hold_are_left_to_peft(model, tmp_path, case):
+    """What `read_stacked_adapter` declines (None), so that peft loads it and names what is wrong."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+
+    install_batched_lora(model)
+    targets = ["q_proj", "v_proj"]
+    options = {"dora": {"use_dora": True}, "lora bias": {"lora_bias": True},
+               "rank pattern": {"rank_pattern": {"q_proj": 2}}}.get(case, {})
+    if case == "a layer without LoRA":
+        targets = ["q_proj", "gate_proj"]  # no adapter of the fixture targets gate_proj
+    if case == "embeddings":
+        targets = ["q_proj", "embed_tokens"]
+    path = saved_adapter(tmp_path / "x", 4, targets, seed=7, **options)
+    if case == "weights missing":  # a target the file has no weights for (peft would leave it random)
+        weights = load_file(f"{path}/adapter_model.safetensors")
+        save_file({k: v for k, v in weights.items() if "layers.1.self_attn.q_proj" not in k},
+                  f"{path}/adapter_model.safetensors")
+    if case == "model needs adapter_names":
+        model.add_adapter("embed", LoraConfig(r=4, target_modules=["embed_tokens"]))
+        install_batched_lora(model)
+    assert read_stacked_adapter(model, path) is None
+    plain = saved_adapter(tmp_path / "plain", 4, ["q_proj", "v_proj"], seed=7)
+    assert (read_stacked_adapter(model, plain) is None) == (case == "model needs adapter_names")
+
+
+def test_stacked_adapters_move_to_peft_when_the_model_needs_adapter_names(model, tmp_path):
+    path = saved_adapter(tmp_path / "d", 4, ["q_proj", "v_proj"], seed=4)
+    install_batched_lora(model)
+    add_stacked_adapter(model, "d", read_stacked_adapter(model, path))
+    biased = saved_adapter(tmp_path / "biased", 4, ["q_proj"], seed=8, lora_bias=True)
+    model.load_adapter(biased, adapter_name="biased")
+    install_batched_lora(model)
+    assert not lora_rows_supported(model)
+    with pytest.raises(ValueError, match="peft"):
+        add_stacked_adapter(model, "e", read_stacked_adapter(model, path) or object())
+    assert load_stacked_adapters_with_peft(model) == ["d"]
+    install_batched_lora(model)
+    assert "d" in model.peft_config and stacked_adapter_names(model) == set()
+    names = ["d", "biased", "a", "__base__"]
+    ids = torch.randint(0, 128, (4, 3), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        got = model(input_ids=ids, adapter_names=names).logits
+    reference = model_with_peft_loaded(path, "d")
+    reference.load_adapter(biased, adapter_name="biased")
+    torch.testing.assert_close(got, peft_logits(reference.eval(), ids, names), rtol=1e-5, atol=1e-5)

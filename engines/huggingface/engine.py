@@ -35,7 +35,9 @@ from engines.device import pick_dtype
 from engines.huggingface.adapters import ALL_ADAPTERS, PEFT_BASE, check_peft_adapter_fits, combine_adapters
 from engines.adapter_store import adapter_key, adapter_names
 from engines.dynamic_adapters import DynamicAdapters
-from engines.huggingface.lora_batch import install_batched_lora
+from engines.huggingface.lora_batch import (StackedAdapter, add_stacked_adapter, install_batched_lora,
+                                           load_stacked_adapters_with_peft, lora_rows_supported, read_stacked_adapter,
+                                           remove_stacked_adapter, stacked_adapter_names)
 from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
 from engines.errors import ModelLoadError, ServingError
 from engines.metrics import MetricsExporter, MetricSpec
@@ -121,6 +123,7 @@ class HuggingFaceEngine(Engine):
         # GenerationRequest.lora_name -> peft adapter name of the batch row (None: no peft model)
         self._peft_names: dict[str | None, str] = {}
         self._dynamic_adapters: DynamicAdapters | None = None  # config.lora_modules_path
+        self._swap_lock = asyncio.Lock()  # one adapter load at a time (`_swap_adapter`)
         self._score_lock = asyncio.Lock()
         # The batcher thread's hand-off to each event loop that has requests here (engines/output.py).
         self._handoff = WorkerHandoff()
@@ -483,14 +486,34 @@ class HuggingFaceEngine(Engine):
         return adapter_names(self._dynamic_adapters.loaded) if self._dynamic_adapters is not None else []
 
     async def _swap_adapter(self, evict: str | None, path: Path, peft_name: str) -> None:
-        """`DynamicAdapters`' swap: on the batcher's thread, between two steps."""
-        await asyncio.wrap_future(self._batcher.call_between_steps(partial(self._swap_adapter_now, evict, path,
-                                                                           peft_name)))
+        """`DynamicAdapters`' swap, one at a time: a plain LoRA adapter whose layers the model has
+        already is read on a worker thread and joins the layers' stacks between two steps
+        (`lora_batch.read_stacked_adapter`); any other is loaded by peft on the batcher's thread
+        between two steps."""
+        async with self._swap_lock:
+            stacked = await asyncio.to_thread(self._read_stacked_adapter, path)
+            await asyncio.wrap_future(self._batcher.call_between_steps(
+                partial(self._swap_adapter_now, evict, path, peft_name, stacked)))
 
-    def _swap_adapter_now(self, evict: str | None, path: Path, peft_name: str) -> None:
-        """Unload peft adapter `evict` (None: none) and load the adapter at `path` as `peft_name`;
-        a model without adapters yet becomes a peft model (its rows without one run as
-        `PEFT_BASE`). Runs on the batcher's thread with no step running.
+    def _read_stacked_adapter(self, path: Path) -> StackedAdapter | None:
+        """`read_stacked_adapter` for the model as it is now; None (peft loads it, and names what
+        is wrong with it) for a model without adapters yet or an adapter it cannot read."""
+        model = self._model
+        if not hasattr(model, "peft_config"):
+            return None
+        try:
+            return read_stacked_adapter(model, str(path))
+        except Exception:  # noqa: BLE001 - peft's own load reports what is wrong with the adapter
+            return None
+
+    def _swap_adapter_now(self, evict: str | None, path: Path, peft_name: str,
+                          stacked: StackedAdapter | None = None) -> None:
+        """Unload adapter `evict` (None: none) and load the adapter at `path` as `peft_name`: into
+        the layers' stacks when it was read for that (`stacked`) and the model still serves rows
+        from stacks, else with peft. A model without adapters yet becomes a peft model (its rows
+        without one run as `PEFT_BASE`); one whose adapters come to need peft's `adapter_names`
+        gets its stacked adapters loaded by peft too. Runs on the batcher's thread with no step
+        running.
 
         Raises:
             ModelLoadError: peft could not load the adapter, or it does not fit the model.
@@ -499,7 +522,15 @@ class HuggingFaceEngine(Engine):
 
         model = self._model
         if evict is not None:
-            model.delete_adapter(evict)
+            if evict in stacked_adapter_names(model):
+                remove_stacked_adapter(model, evict)
+            else:
+                model.delete_adapter(evict)
+        if stacked is not None and lora_rows_supported(model):
+            add_stacked_adapter(model, peft_name, stacked)
+            logger.info("loaded LoRA adapter %s from %s into the layers' stacks%s", peft_name, path,
+                        f", unloaded {evict}" if evict is not None else "")
+            return
         try:
             if isinstance(model, PeftModel):
                 model.load_adapter(str(path), adapter_name=peft_name)
@@ -518,6 +549,10 @@ class HuggingFaceEngine(Engine):
         if model.active_adapter not in model.peft_config:
             model.set_adapter(peft_name)
         install_batched_lora(model)  # the new adapter's layers; every layer's stacks are rebuilt
+        if not lora_rows_supported(model) and stacked_adapter_names(model):
+            moved = load_stacked_adapters_with_peft(model)
+            install_batched_lora(model)
+            logger.info("LoRA adapter %s needs peft's adapter_names: loaded %s with peft too", peft_name, moved)
         if model is not self._model:
             self._model = self._batcher.model = model
             self._batcher._mixed_adapters = True

@@ -26,10 +26,22 @@ Only vanilla LoRA on `nn.Linear` layers takes this path; DoRA and other variants
 embedding layers keep peft's (a model with any of them, or with `modules_to_save`, is not
 `lora_rows_supported`: its batches pass `adapter_names`). Memory: a copy of the loaded adapters'
 weights per layer (padded to the largest rank).
+
+An adapter loaded at run time can also live in the stacks alone, never becoming a peft adapter
+(`read_stacked_adapter`, `add_stacked_adapter`): a plain LoRA adapter whose every target layer
+is a LoRA layer already. peft's `load_adapter` walks every module of the model (its own adapters'
+modules included) several times and holds the GIL throughout, so it stops the batcher for
+~170 ms per load with 8 adapters loaded on the default model, and more with more, whether it runs
+between two steps or on another thread (a step beside it took as long as both). Reading the
+adapter's files and matching its targets runs on a worker thread; what is left between two steps
+is a few dictionary entries. This is how vLLM and S-LoRA hold adapters: in slots of the serving
+layers, not as modules of the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import threading
 import types
 from collections.abc import Iterator
@@ -85,29 +97,183 @@ def lora_rows_supported(model: Any) -> bool:
 
 
 @contextmanager
-def adapter_rows(model: Any, names: list[str]) -> Iterator[None]:
+def adapter_rows(model: Any, names: list[str]) -> Iterator[Any]:
     """Within this context, forward passes of peft `model` on this thread apply adapter
-    `names[i]` (a peft adapter name, `__base__`: none) to row `i` through the layers' stacks, as
-    peft's `adapter_names` argument does; only for a model that is `lora_rows_supported`.
+    `names[i]` (a peft adapter name or a stacked adapter's, `__base__`: none) to row `i` through
+    the layers' stacks, as peft's `adapter_names` argument does; only for a model that is
+    `lora_rows_supported`. Yields the transformers model inside `model` to call: peft's
+    `PeftModelForCausalLM.forward` adds nothing to a LoRA model's but a lookup of its active
+    adapter, which fails once only stacked adapters are left.
 
     Raises:
         ValueError: a name is not an adapter of `model` (peft's message).
     """
-    unknown = {n for n in names if n != PEFT_BASE} - model.peft_config.keys()
+    unknown = {n for n in names if n != PEFT_BASE} - model.peft_config.keys() - _stacked(model).keys()
     if unknown:
         raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))}")
     _STEP.names, _STEP.rows = names, {}
     try:
-        yield
+        yield model.base_model.model
     finally:
         _STEP.names = _STEP.rows = None
+
+
+@dataclasses.dataclass
+class StackedAdapter:
+    """A LoRA adapter read by `read_stacked_adapter`, for `add_stacked_adapter`.
+
+    Attributes:
+        path: its directory.
+        scaling: `lora_alpha / r` (rsLoRA: `lora_alpha / sqrt(r)`), as peft's `LoraLayer.update_layer`.
+        factors: module name in the transformers model -> (A `[r, in]`, B `[out, r]`), on the
+            layer's device, in the dtype peft would give them.
+    """
+
+    path: str
+    scaling: float
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+# LoraConfig fields that may differ from peft's defaults in a stacked adapter: they name where it
+# applies (checked against the weights) or do nothing at inference; any other set field means peft
+# loads it.
+_STACKABLE_FIELDS = {"r", "lora_alpha", "use_rslora", "lora_dropout", "target_modules", "exclude_modules",
+                     "layers_to_transform", "layers_pattern", "init_lora_weights", "inference_mode", "task_type",
+                     "base_model_name_or_path", "revision", "auto_mapping", "peft_version"}
+_LORA_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
+
+
+def read_stacked_adapter(model: Any, path: str) -> StackedAdapter | None:
+    """Read the LoRA adapter at `path` (peft's `adapter_config.json` and weights) for
+    `add_stacked_adapter`, or None when peft must load it instead: `model` is not
+    `lora_rows_supported`, or the adapter is not plain LoRA (DoRA, biases, `modules_to_save`,
+    rank or alpha patterns, other PEFT methods, ...), or it targets a module that is not a LoRA
+    linear layer of `model` already, or its weights are not exactly the modules its config
+    targets (peft's load then names the mismatch). Reads `model`'s structure without changing
+    it, so it may run on a worker thread while `model` runs forward passes, but not while
+    adapters are loaded or deleted.
+    """
+    from peft import LoraConfig, PeftConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.utils import load_peft_weights
+    from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
+
+    if not lora_rows_supported(model):
+        return None
+    config = PeftConfig.from_pretrained(path)
+    if not isinstance(config, LoraConfig) or config.target_modules == INCLUDE_LINEAR_LAYERS_SHORTHAND:
+        return None
+    default = LoraConfig()
+    if any(getattr(config, f.name) != getattr(default, f.name)
+           for f in dataclasses.fields(config) if f.name not in _STACKABLE_FIELDS):
+        return None
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_peft_weights(path, device="cpu").items():
+        match = _LORA_KEY.fullmatch(key)
+        if match is None:
+            return None
+        pairs.setdefault(match[1], {})[match[2]] = tensor
+    if {name for name in _module_names(model) if check_target_module_exists(config, name)} != pairs.keys():
+        return None
+    transformers_model = model.base_model.model
+    factors = {}
+    for name, pair in pairs.items():
+        layer = transformers_model.get_submodule(name)
+        if "_mixed_batch_forward" not in vars(layer) or pair.keys() != {"A", "B"}:
+            return None
+        a, b = pair["A"], pair["B"]
+        if a.shape != (config.r, layer.in_features) or b.shape != (layer.out_features, config.r):
+            return None
+        # peft moves an adapter to its base layer's device and floating dtype, then casts float16
+        # and bfloat16 ones to float32 (`autocast_adapter_dtype`)
+        weight = layer.get_base_layer().weight
+        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        final = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        factors[name] = (a.to(weight.device, dtype).to(final), b.to(weight.device, dtype).to(final))
+    scaling = config.lora_alpha / (config.r ** 0.5 if config.use_rslora else config.r)
+    return StackedAdapter(str(path), scaling, factors)
+
+
+def add_stacked_adapter(model: Any, name: str, adapter: StackedAdapter) -> None:
+    """Serve `adapter` as `name` from the stacks of its layers (rows name it in `adapter_rows`);
+    call between forward passes.
+
+    Raises:
+        ValueError: `name` is taken, or `model` is no longer `lora_rows_supported`.
+    """
+    if name in model.peft_config or name in _stacked(model):
+        raise ValueError(f"adapter {name!r} is loaded already")
+    if not lora_rows_supported(model):
+        raise ValueError("the model's adapters need peft's adapter_names: load the adapter with peft")
+    transformers_model = model.base_model.model
+    for module_name, (a, b) in adapter.factors.items():
+        layer = transformers_model.get_submodule(module_name)
+        layer.__dict__.setdefault("_lmserve_stacked", {})[name] = (a, b, adapter.scaling)
+    model.__dict__.setdefault("_lmserve_stacked", {})[name] = adapter
+    lora_version_changed()
+
+
+def remove_stacked_adapter(model: Any, name: str) -> None:
+    """Stop serving stacked adapter `name` (`add_stacked_adapter`); call between forward passes.
+
+    Raises:
+        KeyError: no stacked adapter has that name.
+    """
+    adapter = _stacked(model).pop(name)
+    transformers_model = model.base_model.model
+    for module_name in adapter.factors:
+        del transformers_model.get_submodule(module_name)._lmserve_stacked[name]
+    lora_version_changed()
+
+
+def stacked_adapter_names(model: Any) -> set[str]:
+    """The names of `model`'s stacked adapters (`add_stacked_adapter`)."""
+    return set(_stacked(model))
+
+
+def load_stacked_adapters_with_peft(model: Any) -> list[str]:
+    """Make every stacked adapter of `model` a peft adapter of the same name (loaded from its
+    directory), for a model whose adapters now need peft's `adapter_names` (after a DoRA or other
+    non-plain adapter was loaded); returns their names. Call `install_batched_lora` after it.
+    """
+    names = list(_stacked(model))
+    for name in names:
+        adapter = _stacked(model)[name]
+        remove_stacked_adapter(model, name)
+        model.load_adapter(adapter.path, adapter_name=name)
+    return names
+
+
+def _stacked(model: Any) -> dict[str, StackedAdapter]:
+    return model.__dict__.get("_lmserve_stacked", {})
+
+
+def _module_names(model: Any) -> list[str]:
+    """The names of the modules of peft `model`'s transformers model that peft matches against an
+    adapter's `target_modules`: every module but those inside LoRA layers (their base layers
+    and adapters' modules), computed once (peft keeps a wrapped module's name)."""
+    names = model.__dict__.get("_lmserve_module_names")
+    if names is None:
+        from peft.tuners.lora.layer import LoraLayer
+
+        names, inside = [], []
+        for name, module in model.base_model.model.named_modules():
+            if inside and name.startswith(inside[-1]):
+                continue
+            names.append(name)
+            if isinstance(module, LoraLayer):
+                inside.append(name + ".")
+        model.__dict__["_lmserve_module_names"] = names
+    return names
 
 
 class _Stack:
     """One layer's adapters stacked (module docstring)."""
 
     def __init__(self, layer: Any, names: list[str]):
-        weights = [(layer.lora_A[n].weight, layer.lora_B[n].weight, layer.scaling[n]) for n in names]
+        stacked = layer.__dict__.get("_lmserve_stacked", {})
+        weights = [stacked[n] if n in stacked else (layer.lora_A[n].weight, layer.lora_B[n].weight, layer.scaling[n])
+                   for n in names]
         rank = max(a.shape[0] for a, _, _ in weights)
         first = weights[0][0]
         out_features = weights[0][1].shape[0]
@@ -174,7 +340,7 @@ def rows_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch
 
 def _stack(layer: Any) -> _Stack | None:
     """`layer`'s stacks, rebuilt when its adapters changed; None when it has none."""
-    names = tuple(layer.lora_A.keys())
+    names = tuple(layer.lora_A.keys()) + tuple(layer.__dict__.get("_lmserve_stacked", ()))
     if not names or layer.training:
         return None
     stack = getattr(layer, "_lmserve_stack", None)

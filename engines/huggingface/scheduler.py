@@ -855,8 +855,8 @@ class ContinuousBatcher:
             return self.model(**inputs)
         names = [r.lora_name or PEFT_BASE for r in requests]
         if lora_rows_supported(self.model):
-            with adapter_rows(self.model, names):
-                return self.model(**inputs)
+            with adapter_rows(self.model, names) as model:
+                return model(**inputs)
         return self.model(**inputs, adapter_names=names)
 
     @staticmethod
