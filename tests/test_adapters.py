@@ -175,6 +175,35 @@ def test_one_adapter_is_the_model(tiny, answers):
         run(engine.shutdown())
 
 
+def test_a_dora_adapter_answers_as_merged_alone_and_beside_the_base_model(tiny, answers, tmp_path, tiny_model_dir):
+    """LLaMA-Factory trains DoRA with `use_dora: true` and serves it merged. peft cannot mix a DoRA
+    adapter's rows with others (`adapter_names` raises), so every request failed; the stacks
+    apply its magnitude scale per row (`lora_batch`)."""
+    from peft import PeftModel
+
+    dora = make_lora(tiny_llama(), tmp_path / "dora", seed=3, r=4, lora_alpha=8, use_dora=True,
+                     target_modules=["q_proj", "v_proj", "down_proj"])
+    merged = PeftModel.from_pretrained(tiny_llama(), dora).merge_and_unload()
+    reference = start(with_tokenizer(merged, tmp_path / "merged-dora", tiny_model_dir))
+    try:
+        want = greedy(reference)
+    finally:
+        run(reference.shutdown())
+    assert want != answers["base"]
+    engine = start(tiny.base, dora)
+    try:
+        assert greedy(engine) == want
+        names = [None, BASE_MODEL, None, BASE_MODEL]
+
+        async def together():
+            return await asyncio.gather(*(collect(engine, request(PROMPTS[0], name)) for name in names))
+
+        assert [text_of(deltas) for deltas in run(together())] == [
+            want[0] if name is None else answers["base"][0] for name in names]
+    finally:
+        run(engine.shutdown())
+
+
 def test_an_adapter_directory_with_a_dot_in_its_name(tiny, answers, tmp_path):
     """`sft.v2` is a valid adapter name (`<model_id>:sft.v2`), though peft cannot name a module so."""
     shutil.copytree(tiny.sft, tmp_path / "sft.v2")

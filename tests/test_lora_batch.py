@@ -130,6 +130,38 @@ def test_adapter_rows_equal_peft_without_its_hooks(model, tokens, forward_hooks_
     torch.testing.assert_close(outside, peft_logits(model, ids, ["b"] * len(names)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_dora_rows_beside_others_equal_peft_row_by_row(model, tokens):
+    """peft applies a DoRA adapter only to a whole batch (`adapter_names` raises with DoRA); in the
+    stacks each row gets its own adapter, DoRA's magnitude scale included."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    model = add_adapter(model, "dora", 4, ["q_proj", "v_proj", "down_proj"], seed=5, use_dora=True)
+    with torch.no_grad():  # a magnitude away from the norm it was initialised at
+        for layer in model.modules():
+            if isinstance(layer, LoraLayer) and "dora" in layer.lora_magnitude_vector:
+                layer.lora_magnitude_vector["dora"].weight.mul_(1.5)
+    install_batched_lora(model)
+    assert lora_rows_supported(model)
+    names = ["dora", "a", "__base__", "dora", "b"]
+    ids = torch.randint(0, 128, (len(names), tokens), generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad(), adapter_rows(model, names) as forward:
+        got = forward(input_ids=ids).logits
+    for row, name in enumerate(names):
+        with torch.no_grad():
+            if name == "__base__":
+                with model.disable_adapter():
+                    want = model(input_ids=ids[row:row + 1]).logits
+            else:
+                model.set_adapter(name)
+                want = model(input_ids=ids[row:row + 1]).logits
+        torch.testing.assert_close(got[row:row + 1], want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        model.set_adapter("a")
+        plain = peft_logits(model, ids[:1], ["__base__"])
+    assert not torch.allclose(got[0], plain[0])
+
+
 def test_adapter_rows_refuse_an_unknown_adapter(model):
     install_batched_lora(model)
     with pytest.raises(ValueError, match="non-existing adapter.*gone"), adapter_rows(model, ["a", "gone"]):

@@ -22,10 +22,15 @@ arguments in every LoRA layer, even when no row uses an adapter (a decode step o
 adapters: 1.33x the plain model's with `adapter_names`, 1.05x this way; docs/performance.md,
 `bench.lab.lora_step`). Outside that context, a layer runs peft's forward.
 
-Only vanilla LoRA on `nn.Linear` layers takes this path; DoRA and other variants, LoRA biases and
-embedding layers keep peft's (a model with any of them, or with `modules_to_save`, is not
-`lora_rows_supported`: its batches pass `adapter_names`). Memory: a copy of the loaded adapters'
-weights per layer (padded to the largest rank).
+Vanilla LoRA and DoRA on `nn.Linear` layers take this path. A DoRA adapter (peft's
+`DoraLinearVariant`) adds `(s - 1) * (W x) + s * (B A x)` with `s = m / ||W + B A||` per output
+row, the weight-decomposed form of DoRA (Liu et al. 2024, section 4.3; peft's
+`DoraLinearLayer.forward`); `s` is a constant at inference, so each stack keeps it per adapter
+(ones for plain LoRA) and a row takes its own. peft itself cannot mix a DoRA adapter with other
+rows (`adapter_names` raises "Cannot pass `adapter_names` when DoRA is enabled"). Other
+variants, LoRA biases and embedding layers keep peft's path (a model with any of them, or with
+`modules_to_save`, is not `lora_rows_supported`: its batches pass `adapter_names`). Memory: a copy
+of the loaded adapters' weights per layer (padded to the largest rank).
 
 An adapter loaded at run time can also live in the stacks alone, never becoming a peft adapter
 (`read_stacked_adapter`, `add_stacked_adapter`): a plain LoRA adapter whose every target layer
@@ -286,6 +291,20 @@ class _Stack:
         self.version = _VERSION[0]
         self.names = tuple(names)
         self.plain = _plain_lora(layer)
+        # DoRA's magnitude over the norm of each output row of W + s B A, [adapters + 1, out]
+        # (ones for plain LoRA and the zero entry); None without a DoRA adapter here
+        self.magnitude_scale: torch.Tensor | None = None
+        self.bias = layer.get_base_layer().bias
+        dora = [i for i, n in enumerate(names) if _is_dora(layer, n)]
+        if dora and self.plain:
+            from peft.utils.other import transpose
+
+            self.magnitude_scale = first.new_ones((len(names) + 1, out_features))
+            base = transpose(layer.get_base_layer().weight, layer.fan_in_fan_out)
+            for i in dora:
+                a, b, scaling = weights[i]
+                norm = torch.linalg.norm(base.to(a.dtype) + scaling * (b @ a), dim=1)
+                self.magnitude_scale[i] = layer.lora_magnitude_vector[names[i]].weight / norm
 
     def rows(self, adapter_names: list[str]) -> torch.Tensor | None:
         """Each row's entry: its adapter's, or the zero entry; None when every row has the zero
@@ -298,8 +317,16 @@ class _Stack:
 
 
 def _plain_lora(layer: Any) -> bool:
-    """Whether every adapter of `layer` is vanilla LoRA without bias (what the stacks compute)."""
-    return not layer.lora_variant and all(getattr(layer.lora_B[n], "bias", None) is None for n in layer.lora_A)
+    """Whether every adapter of `layer` is vanilla LoRA or DoRA without bias (what the stacks compute)."""
+    return (all(n not in layer.lora_variant or _is_dora(layer, n) for n in layer.lora_A)
+            and all(getattr(layer.lora_B[n], "bias", None) is None for n in layer.lora_A))
+
+
+def _is_dora(layer: Any, name: str) -> bool:
+    """Whether peft adapter `name` of `layer` is DoRA on a linear layer."""
+    from peft.tuners.lora.variants import DoraLinearVariant
+
+    return isinstance(layer.lora_variant.get(name), DoraLinearVariant)
 
 
 def batched_mixed_forward(self: Any, x: torch.Tensor, *args: Any, adapter_names: list[str],
@@ -351,7 +378,8 @@ def _stack(layer: Any) -> _Stack | None:
 
 def _add_rows_delta(stack: _Stack, x: torch.Tensor, result: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """`result` plus each row's LoRA delta, `B[rows[i]] @ A[rows[i]] @ x[i]`, in two batched
-    products; `result` itself when `rows` is None (`_Stack.rows`: no row has an adapter here)."""
+    products (DoRA rows: `(s - 1) * (result - bias) + s * delta`, module docstring); `result`
+    itself when `rows` is None (`_Stack.rows`: no row has an adapter here)."""
     if rows is None:
         return result
     hidden = x.to(stack.A.dtype)
@@ -359,4 +387,11 @@ def _add_rows_delta(stack: _Stack, x: torch.Tensor, result: torch.Tensor, rows: 
     if squeeze:
         hidden = hidden[:, None, :]
     delta = torch.bmm(torch.bmm(hidden, stack.A[rows].transpose(1, 2)), stack.B[rows].transpose(1, 2))
-    return result + (delta[:, 0] if squeeze else delta).to(result.dtype)
+    delta = (delta[:, 0] if squeeze else delta).to(result.dtype)
+    if stack.magnitude_scale is None:
+        return result + delta
+    scale = stack.magnitude_scale[rows].to(result.dtype)
+    if not squeeze:
+        scale = scale[:, None, :]
+    base = result - stack.bias if stack.bias is not None else result
+    return result + (scale - 1) * base + scale * delta
