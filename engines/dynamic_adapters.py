@@ -25,6 +25,25 @@ from typing import Awaitable, Callable
 from engines.adapter_store import AdapterStore, adapter_key, check_adapter_name, locate_adapter
 from engines.config import ConfigError
 from engines.errors import ErrorKind, ModelLoadError, ServingError
+from engines.metrics import MetricsExporter, MetricSpec
+
+#: The metrics of adapters loaded at run time (`lora_modules_path`, `POST /v1/load_lora_adapter`)
+#: on the backends that load them through `DynamicAdapters` (huggingface, sglang, ktransformers;
+#: vLLM keeps its own LRU, `max_cpu_loras`), labelled `model_id` and `backend`.
+ADAPTER_METRICS = (
+    MetricSpec("lmserve_lora_adapter_loads", "counter", "adapters", "LoRA adapters loaded at run time."),
+    MetricSpec("lmserve_lora_adapter_evictions", "counter", "adapters",
+               "LoRA adapters unloaded to make room for another (max_loras_per_replica)."),
+    MetricSpec("lmserve_lora_adapter_hits", "counter", "requests",
+               "Requests for an adapter loaded at run time that was loaded already (or being loaded); "
+               "over hits + loads it is the adapter cache's hit ratio."),
+    MetricSpec("lmserve_lora_adapter_load_seconds", "counter", "seconds",
+               "Time spent checking and loading adapters; over lmserve_lora_adapter_loads, the mean load time."),
+    MetricSpec("lmserve_lora_adapters_loaded", "gauge", "adapters", "LoRA adapters loaded at run time, now."),
+    MetricSpec("lmserve_lora_adapter_load_duration_seconds", "histogram", "seconds",
+               "Time to check and load one adapter loaded at run time (its download not included).",
+               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)),
+)
 
 
 class DynamicAdapters:
@@ -185,3 +204,39 @@ class DynamicAdapters:
         raise ServingError(ErrorKind.OVERLOADED, f"cannot load LoRA adapter {name!r}: this replica holds "
                            f"max_loras_per_replica={self.max_loaded} adapters and every one was in use for "
                            f"{self.wait_s:g} s; retry later", retry_after_s=1)
+
+
+class AdapterMetrics:
+    """`ADAPTER_METRICS` of one engine's `DynamicAdapters`, in `exporter`: each `export` adds what
+    the counters grew by since the last, sets the gauge and observes each load's duration once.
+
+    Args:
+        exporter: where the metrics go (`ray.util.metrics` in a replica).
+        tags: `model_id` and `backend`.
+    """
+
+    def __init__(self, exporter: MetricsExporter, tags: dict[str, str]):
+        self.tags = tags
+        self._metrics = {}
+        for spec in ADAPTER_METRICS:
+            if spec.kind == "histogram":
+                metric = exporter.Histogram(spec.name, spec.description, list(spec.buckets), spec.labels)
+            else:
+                metric = (exporter.Gauge if spec.kind == "gauge" else exporter.Counter)(spec.name, spec.description,
+                                                                                       spec.labels)
+            self._metrics[spec.name] = metric
+        self._sent: dict[str, float] = {}
+
+    def export(self, adapters: DynamicAdapters) -> None:
+        """Export `adapters`' counters as they are now (non-blocking)."""
+        totals = {"lmserve_lora_adapter_loads": adapters.loads, "lmserve_lora_adapter_evictions": adapters.evictions,
+                  "lmserve_lora_adapter_hits": adapters.hits,
+                  "lmserve_lora_adapter_load_seconds": adapters.load_seconds}
+        for name, total in totals.items():
+            if total > self._sent.get(name, 0):
+                self._metrics[name].inc(total - self._sent.get(name, 0), self.tags)
+                self._sent[name] = total
+        self._metrics["lmserve_lora_adapters_loaded"].set(len(adapters.loaded), self.tags)
+        durations, adapters.load_durations = adapters.load_durations, []
+        for seconds in durations:
+            self._metrics["lmserve_lora_adapter_load_duration_seconds"].observe(seconds, self.tags)

@@ -299,12 +299,13 @@ def test_dashboard_queries_only_engine_series_that_are_exported():
     names = queried_metric_names()
     assert {n for n in names if n.startswith("ray_sglang_")} <= {spec.prometheus_name for spec in SGLANG_METRICS}
     assert {n for n in names if n.startswith("ray_vllm_")} <= set(VLLM_PANEL_METRICS)
-    from engines.huggingface.engine import HF_ADAPTER_METRICS, HF_METRICS
+    from engines.dynamic_adapters import ADAPTER_METRICS
+    from engines.huggingface.engine import HF_METRICS
 
-    assert {n for n in names if n.startswith("ray_hf_")} <= {
-        spec.prometheus_name + suffix for spec in HF_METRICS + HF_ADAPTER_METRICS
+    assert {n for n in names if n.startswith(("ray_hf_", "ray_lmserve_lora_"))} <= {
+        spec.prometheus_name + suffix for spec in HF_METRICS + ADAPTER_METRICS
         for suffix in ("", *(("_bucket", "_sum", "_count") if spec.kind == "histogram" else ()))}
-    assert {"ray_hf_lora_adapter_loads_total", "ray_hf_lora_adapter_hits_total"} <= names
+    assert {"ray_lmserve_lora_adapter_loads_total", "ray_lmserve_lora_adapter_hits_total"} <= names
 
 
 def test_the_vllm_series_on_the_dashboard_are_vllms_own():
@@ -327,6 +328,18 @@ def test_the_vllm_series_on_the_dashboard_are_vllms_own():
         assert kinds.get(base) == "gauge", name
 
 
+ADAPTER_COUNTS = {"lmserve_lora_adapter_loads": 3, "lmserve_lora_adapter_evictions": 1,
+                  "lmserve_lora_adapter_hits": 7, "lmserve_lora_adapter_load_seconds": 0.25,
+                  "lmserve_lora_adapters_loaded": 2}
+
+
+def run_adapters(adapters) -> None:
+    """Give `adapters` (a `DynamicAdapters`) the counts of `ADAPTER_COUNTS` and three loads' times."""
+    adapters.loads, adapters.evictions, adapters.hits, adapters.load_seconds = 3, 1, 7, 0.25
+    adapters.load_durations = [0.1, 0.1, 0.05]
+    adapters.loaded.update(a="dyn2_a", b="dyn3_b")
+
+
 def test_the_huggingface_engine_exports_its_run_time_adapters(recorded):
     """Issue 37: adapters loaded from lora_modules_path: loads, evictions, hits, load time and
     the number loaded, exported even with the prefix cache off."""
@@ -343,19 +356,44 @@ def test_the_huggingface_engine_exports_its_run_time_adapters(recorded):
 
     async def scenario():
         task = asyncio.create_task(engine.export_metrics("m", ray_metrics, interval_s=0.01))
-        adapters.loads, adapters.evictions, adapters.hits, adapters.load_seconds = 3, 1, 7, 0.25
-        adapters.load_durations = [0.1, 0.1, 0.05]
-        adapters.loaded.update(a="dyn2_a", b="dyn3_b")
+        run_adapters(adapters)
         await asyncio.sleep(0.05)
         engine._dynamic_adapters = None
         await asyncio.wait_for(task, 1)
 
     asyncio.run(scenario())
     key = ("m", "huggingface")
-    assert {name: recorded[name].values[key] for name in ("hf_lora_adapter_loads", "hf_lora_adapter_evictions",
-                                                          "hf_lora_adapter_hits", "hf_lora_adapter_load_seconds",
-                                                          "hf_lora_adapters_loaded")} == {
-        "hf_lora_adapter_loads": 3, "hf_lora_adapter_evictions": 1, "hf_lora_adapter_hits": 7,
-        "hf_lora_adapter_load_seconds": 0.25, "hf_lora_adapters_loaded": 2}
-    assert recorded["hf_lora_adapter_load_duration_seconds"].values[key] == [0.1, 0.1, 0.05]  # each load once
+    assert {name: recorded[name].values[key] for name in ADAPTER_COUNTS} == ADAPTER_COUNTS
+    assert recorded["lmserve_lora_adapter_load_duration_seconds"].values[key] == [0.1, 0.1, 0.05]  # each load once
     assert "hf_prefix_cache_queries" not in recorded or key not in recorded["hf_prefix_cache_queries"].values
+
+
+@pytest.mark.parametrize("backend", ["sglang", "ktransformers"])
+def test_the_sglang_engines_export_their_run_time_adapters(recorded, backend, monkeypatch):
+    """Issue 37: on sglang and ktransformers the replica loads and unloads adapters in its server
+    (`/load_lora_adapter`, `/unload_lora_adapter`) and exports the same adapter series, beside the
+    server's own re-exported ones."""
+    from conftest import KT_FIELDS
+    from engines import create_engine
+    from engines.dynamic_adapters import DynamicAdapters
+
+    engine = create_engine(EngineConfig(infer_backend=backend, **(KT_FIELDS if backend == "ktransformers" else {})))
+    adapters = engine._dynamic_adapters = DynamicAdapters("/nowhere", 2, lambda path: None, None)
+
+    async def no_server() -> str:
+        raise ServingError.unavailable("no server in this test")
+
+    monkeypatch.setattr(engine, "server_metrics", no_server)
+
+    async def scenario():
+        task = asyncio.create_task(engine.export_metrics("m", ray_metrics, interval_s=0.01))
+        run_adapters(adapters)
+        await asyncio.sleep(0.05)
+        engine._dynamic_adapters = None
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(scenario())
+    key = ("m", backend)
+    assert {name: recorded[name].values[key] for name in ADAPTER_COUNTS} == ADAPTER_COUNTS
+    assert recorded["lmserve_lora_adapter_load_duration_seconds"].values[key] == [0.1, 0.1, 0.05]

@@ -180,8 +180,11 @@ def queried_metric_names() -> set[str]:
 
 
 def _defined_names() -> set[str]:
+    """Every `ray_lmserve_*` series: the serving layer's and the adapters loaded at run time."""
+    from engines.dynamic_adapters import ADAPTER_METRICS
+
     names = set()
-    for spec in METRICS:
+    for spec in METRICS + ADAPTER_METRICS:
         names.add(spec.prometheus_name)
         if spec.kind == "histogram":
             names |= {spec.prometheus_name + s for s in ("_bucket", "_sum", "_count")}

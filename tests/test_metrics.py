@@ -174,9 +174,9 @@ def test_every_defined_metric_and_every_queried_one_is_on_the_endpoint(metrics_u
     defined = {spec.prometheus_name + suffix for spec in METRICS
                for suffix in (("_count", "_sum", "_bucket") if spec.kind == "histogram" else ("",))}
     # the engines' own series come from backends this cluster's app does not run (checked below),
-    # and the huggingface engine's adapter series only with lora_modules_path (tests/test_engine_metrics.py)
+    # and the adapter series only with lora_modules_path (tests/test_engine_metrics.py)
     wanted = defined | {n for n in queried_metric_names()
-                        if not n.startswith(("ray_vllm_", "ray_sglang_", "ray_hf_lora_"))}
+                        if not n.startswith(("ray_vllm_", "ray_sglang_", "ray_lmserve_lora_"))}
     names: set[str] = set()
     deadline = time.monotonic() + 60
     while not wanted <= names and time.monotonic() < deadline:

@@ -34,7 +34,7 @@ from engines.config import BASE_MODEL, EngineConfig
 from engines.device import pick_dtype
 from engines.huggingface.adapters import ALL_ADAPTERS, PEFT_BASE, check_peft_adapter_fits, combine_adapters
 from engines.adapter_store import adapter_key, adapter_names
-from engines.dynamic_adapters import DynamicAdapters
+from engines.dynamic_adapters import AdapterMetrics, DynamicAdapters
 from engines.huggingface.lora_batch import (StackedAdapter, add_stacked_adapter, install_batched_lora,
                                            load_stacked_adapters_with_peft, lora_rows_supported, read_stacked_adapter,
                                            remove_stacked_adapter, stacked_adapter_names)
@@ -55,21 +55,6 @@ HF_METRICS = (
                "Prompt tokens looked up in the huggingface backend's prefix cache."),
     MetricSpec("hf_prefix_cache_hits", "counter", "tokens",
                "Prompt tokens found in the huggingface backend's prefix cache (not prefilled)."),
-)
-#: The metrics of adapters loaded at run time (`lora_modules_path`).
-HF_ADAPTER_METRICS = (
-    MetricSpec("hf_lora_adapter_loads", "counter", "adapters", "LoRA adapters loaded from lora_modules_path."),
-    MetricSpec("hf_lora_adapter_evictions", "counter", "adapters",
-               "LoRA adapters unloaded to make room for another (max_loras_per_replica)."),
-    MetricSpec("hf_lora_adapter_hits", "counter", "requests",
-               "Requests for an adapter of lora_modules_path that was loaded already (or being loaded); "
-               "over hits + loads it is the adapter cache's hit ratio."),
-    MetricSpec("hf_lora_adapter_load_seconds", "counter", "seconds",
-               "Time spent checking and loading adapters; over hf_lora_adapter_loads, the mean load time."),
-    MetricSpec("hf_lora_adapters_loaded", "gauge", "adapters", "LoRA adapters of lora_modules_path loaded now."),
-    MetricSpec("hf_lora_adapter_load_duration_seconds", "histogram", "seconds",
-               "Time to check and load one adapter loaded at run time (its download not included).",
-               buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)),
 )
 #: Seconds between two exports of the counters.
 METRICS_INTERVAL_S = 5.0
@@ -327,32 +312,25 @@ class HuggingFaceEngine(Engine):
     async def export_metrics(self, model_id: str, exporter: MetricsExporter, interval_s: float = METRICS_INTERVAL_S
                              ) -> None:
         """Add what grew to `HF_METRICS`' counters (the prefix cache's queried and hit tokens)
-        and `HF_ADAPTER_METRICS`' (adapters loaded at run time) every `interval_s`, labelled
+        and export `ADAPTER_METRICS` (adapters loaded at run time) every `interval_s`, labelled
         `model_id` and `backend`, until cancelled; returns once the engine has neither (the
         prefix cache off, or turned off for a model it cannot serve, and no `lora_modules_path`)."""
-        metrics = {spec.name: exporter.Histogram(spec.name, spec.description, list(spec.buckets), spec.labels)
-                   if spec.kind == "histogram" else (exporter.Gauge if spec.kind == "gauge" else exporter.Counter)(
-            spec.name, spec.description, spec.labels) for spec in HF_METRICS + HF_ADAPTER_METRICS}
+        metrics = {spec.name: exporter.Counter(spec.name, spec.description, spec.labels) for spec in HF_METRICS}
         tags = {"model_id": model_id, "backend": self.config.infer_backend}
+        adapter_metrics = AdapterMetrics(exporter, tags)
         sent: dict[str, float] = {}
         while self._batcher is not None:
             cache, adapters = self._batcher.prefix_cache, self._dynamic_adapters
-            totals: dict[str, float] = {}
-            if cache is not None:
-                totals |= {"hf_prefix_cache_queries": cache.queried_tokens, "hf_prefix_cache_hits": cache.hit_tokens}
-            if adapters is not None:
-                totals |= {"hf_lora_adapter_loads": adapters.loads, "hf_lora_adapter_evictions": adapters.evictions,
-                           "hf_lora_adapter_hits": adapters.hits, "hf_lora_adapter_load_seconds": adapters.load_seconds}
-                metrics["hf_lora_adapters_loaded"].set(len(adapters.loaded), tags)
-                durations, adapters.load_durations = adapters.load_durations, []
-                for seconds in durations:
-                    metrics["hf_lora_adapter_load_duration_seconds"].observe(seconds, tags)
-            if not totals:
+            if cache is None and adapters is None:
                 return
-            for name, total in totals.items():
-                if total > sent.get(name, 0):
-                    metrics[name].inc(total - sent.get(name, 0), tags)
-                    sent[name] = total
+            if adapters is not None:
+                adapter_metrics.export(adapters)
+            if cache is not None:
+                totals = {"hf_prefix_cache_queries": cache.queried_tokens, "hf_prefix_cache_hits": cache.hit_tokens}
+                for name, total in totals.items():
+                    if total > sent.get(name, 0):
+                        metrics[name].inc(total - sent.get(name, 0), tags)
+                        sent[name] = total
             await asyncio.sleep(interval_s)
 
     async def shutdown(self) -> None:

@@ -44,7 +44,7 @@ from engines.base import (
 )
 from engines.adapter_store import adapter_key, adapter_names, adapter_rank
 from engines.config import ConfigError, EngineConfig
-from engines.dynamic_adapters import DynamicAdapters
+from engines.dynamic_adapters import AdapterMetrics, DynamicAdapters
 from engines.errors import ModelLoadError, ServingError
 from engines.lora import check_adapter_fits, check_adapters_fit
 from engines.model_source import model_config_json, resolve_model_path
@@ -298,10 +298,20 @@ class SGLangEngine(Engine):
         if client is not None:
             await client.aclose()
 
-    async def export_metrics(self, model_id: str, exporter: MetricsExporter) -> None:
+    async def export_metrics(self, model_id: str, exporter: MetricsExporter, interval_s: float = 1.0) -> None:
         """Re-export the server's own metrics (`SGLANG_METRICS`, engines/sglang/metrics.py) to
-        `exporter` every second until cancelled."""
-        await SGLangMetricsExporter(model_id, self.config.infer_backend, exporter).run(self)
+        `exporter`, and export `ADAPTER_METRICS` of the adapters loaded at run time
+        (`lora_modules_path`, `allow_runtime_lora_updating`: loads and unloads through the
+        server's `/load_lora_adapter` and `/unload_lora_adapter`, counted by this engine), every
+        `interval_s` seconds until cancelled."""
+        async def adapters() -> None:
+            metrics = AdapterMetrics(exporter, {"model_id": model_id, "backend": self.config.infer_backend})
+            while self._dynamic_adapters is not None:
+                metrics.export(self._dynamic_adapters)
+                await asyncio.sleep(interval_s)
+
+        await asyncio.gather(SGLangMetricsExporter(model_id, self.config.infer_backend, exporter).run(self, interval_s),
+                             adapters())
 
     async def server_metrics(self) -> str:
         """The server's own Prometheus text (`GET /metrics`: SGLang's `sglang:*` series, served
