@@ -1,6 +1,9 @@
 """Mixed-adapter LoRA batches in one pass per layer (engines/huggingface/lora_batch.py) against
 peft's own per-adapter loop, on a tiny random Llama with adapters of different ranks and targets."""
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -250,7 +253,7 @@ def test_only_stacked_adapters_left_still_serve(model, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["dora", "lora bias", "a layer without LoRA", "embeddings", "weights missing",
-                                  "rank pattern", "model needs adapter_names"])
+                                  "rank pattern", "pissa", "no weights", "model needs adapter_names"])
 def test_adapters_the_stacks_cannot_hold_are_left_to_peft(model, tmp_path, case):
     """What `read_stacked_adapter` declines (None), so that peft loads it and names what is wrong."""
     from peft import LoraConfig
@@ -259,7 +262,9 @@ def test_adapters_the_stacks_cannot_hold_are_left_to_peft(model, tmp_path, case)
     install_batched_lora(model)
     targets = ["q_proj", "v_proj"]
     options = {"dora": {"use_dora": True}, "lora bias": {"lora_bias": True},
-               "rank pattern": {"rank_pattern": {"q_proj": 2}}}.get(case, {})
+               "rank pattern": {"rank_pattern": {"q_proj": 2}},
+               # peft's PiSSA load also rewrites the base layer's weight
+               "pissa": {"init_lora_weights": "pissa"}}.get(case, {})
     if case == "a layer without LoRA":
         targets = ["q_proj", "gate_proj"]  # no adapter of the fixture targets gate_proj
     if case == "embeddings":
@@ -269,6 +274,10 @@ def test_adapters_the_stacks_cannot_hold_are_left_to_peft(model, tmp_path, case)
         weights = load_file(f"{path}/adapter_model.safetensors")
         save_file({k: v for k, v in weights.items() if "layers.1.self_attn.q_proj" not in k},
                   f"{path}/adapter_model.safetensors")
+    if case == "no weights":  # targets nothing this model has (peft refuses it)
+        save_file({}, f"{path}/adapter_model.safetensors")
+        config = json.loads((tmp_path / "x" / "adapter_config.json").read_text())
+        (tmp_path / "x" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["nothing"]}))
     if case == "model needs adapter_names":
         model.add_adapter("embed", LoraConfig(r=4, target_modules=["embed_tokens"]))
         install_batched_lora(model)
@@ -287,6 +296,7 @@ def test_stacked_adapters_move_to_peft_when_the_model_needs_adapter_names(model,
     assert not lora_rows_supported(model)
     with pytest.raises(ValueError, match="peft"):
         add_stacked_adapter(model, "e", read_stacked_adapter(model, path) or object())
+    shutil.rmtree(path)  # a remote store's cache may drop it: the stacked adapter moves from memory
     assert load_stacked_adapters_with_peft(model) == ["d"]
     install_batched_lora(model)
     assert "d" in model.peft_config and stacked_adapter_names(model) == set()
@@ -294,6 +304,6 @@ def test_stacked_adapters_move_to_peft_when_the_model_needs_adapter_names(model,
     ids = torch.randint(0, 128, (4, 3), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         got = model(input_ids=ids, adapter_names=names).logits
-    reference = model_with_peft_loaded(path, "d")
+    reference = model_with_peft_loaded(saved_adapter(tmp_path / "d-again", 4, ["q_proj", "v_proj"], seed=4), "d")
     reference.load_adapter(biased, adapter_name="biased")
     torch.testing.assert_close(got, peft_logits(reference.eval(), ids, names), rtol=1e-5, atol=1e-5)

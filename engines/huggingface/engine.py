@@ -528,7 +528,13 @@ class HuggingFaceEngine(Engine):
             model.set_adapter(peft_name)
         install_batched_lora(model)  # the new adapter's layers; every layer's stacks are rebuilt
         if not lora_rows_supported(model) and stacked_adapter_names(model):
-            moved = load_stacked_adapters_with_peft(model)
+            try:
+                moved = load_stacked_adapters_with_peft(model)
+            except Exception as exc:  # noqa: BLE001 - undone: the model serves what it served before
+                model.delete_adapter(peft_name)
+                install_batched_lora(model)
+                raise ModelLoadError(f"it needs peft's adapter_names, and the adapters loaded already could not "
+                                     f"move to peft: {type(exc).__name__}: {exc}") from exc
             install_batched_lora(model)
             logger.info("LoRA adapter %s needs peft's adapter_names: loaded %s with peft too", peft_name, moved)
         if model is not self._model:

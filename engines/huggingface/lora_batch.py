@@ -129,12 +129,14 @@ class StackedAdapter:
 
     Attributes:
         path: its directory.
+        config: its peft `LoraConfig`.
         scaling: `lora_alpha / r` (rsLoRA: `lora_alpha / sqrt(r)`), as peft's `LoraLayer.update_layer`.
         factors: module name in the transformers model -> (A `[r, in]`, B `[out, r]`), on the
             layer's device, in the dtype peft would give them.
     """
 
     path: str
+    config: Any
     scaling: float
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -145,6 +147,12 @@ class StackedAdapter:
 _STACKABLE_FIELDS = {"r", "lora_alpha", "use_rslora", "lora_dropout", "target_modules", "exclude_modules",
                      "layers_to_transform", "layers_pattern", "init_lora_weights", "inference_mode", "task_type",
                      "base_model_name_or_path", "revision", "auto_mapping", "peft_version"}
+# `init_lora_weights` values whose initialisation the loaded weights replace; the others (PiSSA,
+# OLoRA, CorDA, LoftQ, LoRA-GA) also rewrite the base layer's weight when peft loads the adapter
+_STACKABLE_INITS = (True, False, "gaussian")
+# the dtypes peft casts an adapter's weights from to float32 (`cast_adapter_dtype`)
+_UPCAST = {torch.float16, torch.bfloat16} | {getattr(torch, name) for name in (
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name)}
 _LORA_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 
 
@@ -166,7 +174,9 @@ def read_stacked_adapter(model: Any, path: str) -> StackedAdapter | None:
     if not lora_rows_supported(model):
         return None
     config = PeftConfig.from_pretrained(path)
-    if not isinstance(config, LoraConfig) or config.target_modules == INCLUDE_LINEAR_LAYERS_SHORTHAND:
+    if (not isinstance(config, LoraConfig) or config.target_modules == INCLUDE_LINEAR_LAYERS_SHORTHAND
+            or not any(config.init_lora_weights is init or config.init_lora_weights == init
+                       for init in _STACKABLE_INITS)):
         return None
     default = LoraConfig()
     if any(getattr(config, f.name) != getattr(default, f.name)
@@ -178,6 +188,8 @@ def read_stacked_adapter(model: Any, path: str) -> StackedAdapter | None:
         if match is None:
             return None
         pairs.setdefault(match[1], {})[match[2]] = tensor
+    if not pairs:  # peft refuses an adapter that matches no module
+        return None
     if {name for name in _module_names(model) if check_target_module_exists(config, name)} != pairs.keys():
         return None
     transformers_model = model.base_model.model
@@ -189,14 +201,14 @@ def read_stacked_adapter(model: Any, path: str) -> StackedAdapter | None:
         a, b = pair["A"], pair["B"]
         if a.shape != (config.r, layer.in_features) or b.shape != (layer.out_features, config.r):
             return None
-        # peft moves an adapter to its base layer's device and floating dtype, then casts float16
-        # and bfloat16 ones to float32 (`autocast_adapter_dtype`)
+        # peft moves an adapter to its base layer's device and floating dtype, then casts float16,
+        # bfloat16 and float8 ones to float32 (`autocast_adapter_dtype`)
         weight = layer.get_base_layer().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        final = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        final = torch.float32 if dtype in _UPCAST else dtype
         factors[name] = (a.to(weight.device, dtype).to(final), b.to(weight.device, dtype).to(final))
     scaling = config.lora_alpha / (config.r ** 0.5 if config.use_rslora else config.r)
-    return StackedAdapter(str(path), scaling, factors)
+    return StackedAdapter(str(path), config, scaling, factors)
 
 
 def add_stacked_adapter(model: Any, name: str, adapter: StackedAdapter) -> None:
@@ -237,15 +249,28 @@ def stacked_adapter_names(model: Any) -> set[str]:
 
 
 def load_stacked_adapters_with_peft(model: Any) -> list[str]:
-    """Make every stacked adapter of `model` a peft adapter of the same name (loaded from its
-    directory), for a model whose adapters now need peft's `adapter_names` (after a DoRA or other
-    non-plain adapter was loaded); returns their names. Call `install_batched_lora` after it.
+    """Make every stacked adapter of `model` a peft adapter of the same name, from the config and
+    weights it holds (not from its directory, which a remote store's cache may have dropped), for
+    a model whose adapters now need peft's `adapter_names` (after an adapter with a LoRA bias or
+    on embeddings was loaded); returns their names. An adapter leaves the stacks only once peft
+    holds it. Call `install_batched_lora` after it.
+
+    Raises:
+        Exception: whatever peft raises adding one; the adapters not moved yet stay stacked.
     """
+    from peft.utils import set_peft_model_state_dict
+
     names = list(_stacked(model))
     for name in names:
         adapter = _stacked(model)[name]
+        model.add_adapter(name, adapter.config)
+        weights = {}
+        for module_name, (a, b) in adapter.factors.items():
+            weights[f"base_model.model.{module_name}.lora_A.weight"] = a
+            weights[f"base_model.model.{module_name}.lora_B.weight"] = b
+        set_peft_model_state_dict(model, weights, adapter_name=name)
+        model.eval()  # peft makes the adapter's modules in training mode (its dropout on)
         remove_stacked_adapter(model, name)
-        model.load_adapter(adapter.path, adapter_name=name)
     return names
 
 
@@ -387,11 +412,11 @@ def _add_rows_delta(stack: _Stack, x: torch.Tensor, result: torch.Tensor, rows: 
     if squeeze:
         hidden = hidden[:, None, :]
     delta = torch.bmm(torch.bmm(hidden, stack.A[rows].transpose(1, 2)), stack.B[rows].transpose(1, 2))
-    delta = (delta[:, 0] if squeeze else delta).to(result.dtype)
-    if stack.magnitude_scale is None:
-        return result + delta
-    scale = stack.magnitude_scale[rows].to(result.dtype)
-    if not squeeze:
-        scale = scale[:, None, :]
-    base = result - stack.bias if stack.bias is not None else result
-    return result + (scale - 1) * base + scale * delta
+    delta = delta[:, 0] if squeeze else delta
+    if stack.magnitude_scale is not None:  # in the adapters' dtype, as peft's DoRA
+        scale = stack.magnitude_scale[rows]
+        if not squeeze:
+            scale = scale[:, None, :]
+        base = (result - stack.bias if stack.bias is not None else result).to(delta.dtype)
+        delta = (scale - 1) * base + scale * delta
+    return result + delta.to(result.dtype)
