@@ -268,6 +268,13 @@ def test_adapters_copied_into_the_store_answer_as_configured_ones(model_dir, lor
         with pytest.raises(ServingError) as info:
             answer(engine, "fourth")
         assert info.value.kind == "not_found"
+        # unreadable weights: neither the stacks nor peft can load it; the others keep serving
+        shutil.copytree(lora_dir, store / "broken")
+        (store / "broken" / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+        with pytest.raises(ServingError) as info:
+            answer(engine, "broken")
+        assert info.value.kind == "invalid_request" and "broken" in str(info.value)
+        assert answer(engine, "third") == tuned and answer(engine) == base
 
 
 @pytest.mark.slow
