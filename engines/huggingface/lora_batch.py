@@ -97,7 +97,7 @@ def install_batched_lora(model: Any) -> int:
 
 def lora_rows_supported(model: Any) -> bool:
     """Whether `adapter_rows` applies every adapter of peft `model` (every LoRA layer a patched
-    vanilla LoRA linear layer without bias: `install_batched_lora`)."""
+    LoRA or DoRA linear layer without bias: `install_batched_lora`)."""
     return getattr(model, "_lmserve_lora_rows", False)
 
 
