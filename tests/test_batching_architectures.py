@@ -394,8 +394,11 @@ def test_a_thousand_requests_keep_the_prefix_cache_within_its_bound_and_leak_not
                     client.batcher.cancel(request)
                     del client.finished[f"r{i}"]  # a cancelled request is not answered
             client.wait()
-            sizes.append(cache.tokens)
-            hits.append(cache.hit_tokens)
+            # read on the batcher's thread, between two steps: a finished row's KV is inserted
+            # in the step that finished it, after its answer was sent
+            size, hit = client.batcher.call_between_steps(lambda: (cache.tokens, cache.hit_tokens)).result(60)
+            sizes.append(size)
+            hits.append(hit)
 
     client = _run(model, schedule, prefix_cache_tokens=bound)
     cache = client.batcher.prefix_cache

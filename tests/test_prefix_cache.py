@@ -139,3 +139,31 @@ def test_an_eviction_storm_stays_within_the_bound_and_leaks_nothing():
     assert len(cache._index) == held // cache.block_tokens
     assert all(cache._index[h] is segment for segment in cache._segments for h in segment.hashes)
     assert cache.lookup(head + [0]).length == 16
+
+
+def test_room_is_made_before_the_new_blocks_are_copied_in():
+    """The batcher inserts while other threads read `tokens` (its metrics, tests): the cache
+    never holds more than its bound, not even between copying a sequence in and evicting."""
+    cache = PrefixCache(max_tokens=16, block_tokens=4)
+    _insert(cache, [1] * 8)
+    _insert(cache, [2] * 8)
+    full = _kv_of([3] * 8)
+    held_at_copy = []
+
+    def kv(start, end):
+        held_at_copy.append(cache.tokens)
+        return [(k[:, start:end], v[:, start:end]) for k, v in full]
+
+    assert cache.insert([3] * 8, kv) == 8
+    assert held_at_copy == [8] and cache.tokens == 16
+    assert cache.lookup([1] * 8 + [0]).length == 0 and cache.lookup([3] * 8 + [0]).length == 8
+
+
+def test_a_sequence_whose_cached_path_fills_the_cache_is_not_added():
+    """Its new blocks would need its own cached prefix evicted: the prefix stays, the blocks
+    are not added, and every other segment made way."""
+    cache = PrefixCache(max_tokens=12, block_tokens=4)
+    _insert(cache, [1] * 8)
+    _insert(cache, [5] * 4)
+    assert _insert(cache, [1] * 8 + [2] * 8) == 0
+    assert cache.lookup([1] * 8 + [0]).length == 8 and cache.tokens == 8

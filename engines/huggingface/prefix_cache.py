@@ -11,8 +11,8 @@ its longest cached prefix, as one segment whose parent is the segment holding th
 shared system prompt is stored once however many questions follow it. A hit is copied out of
 the tree into the request's own cache (the batch's cache is left-padded and grows in place, so
 segments cannot be shared by reference); nothing outside the batcher's thread reads the tree, so
-a segment is never evicted while in use. Memory is bounded in tokens; the least recently used
-leaf segments go first.
+a segment is never evicted while in use. Memory is bounded in tokens, at every moment: room is
+made before a sequence's blocks are copied in, the least recently used leaf segments first.
 """
 
 from __future__ import annotations
@@ -157,28 +157,37 @@ class PrefixCache:
         if added == 0 or added > self.max_tokens:
             self._touch(parent)
             return 0
+        # room first, then the copy: the cache never holds more than `max_tokens`, even for a
+        # moment (others read `tokens` while this runs); the path to `parent` stays
+        if parent is not None:
+            parent.children += 1
+        if not self._make_room(self.max_tokens - added):
+            if parent is not None:
+                parent.children -= 1
+            self._touch(parent)
+            return 0
         start = count * self.block_tokens
         parts = [(k.contiguous().clone(), v.contiguous().clone()) for k, v in kv(start, start + added)]
         segment = _Segment(parent, start, parts, hashes[count:])
         for h in segment.hashes:
             self._index[h] = segment
-        if parent is not None:
-            parent.children += 1
         self._segments.add(segment)
         self.tokens += added
         self._touch(segment)
-        self._evict(keep=segment)
         return added
 
-    def _evict(self, keep: _Segment) -> None:
-        """Drop least recently used leaf segments until within `max_tokens`; `keep` (just added)
-        goes last, where everything else left is its ancestors."""
-        while self.tokens > self.max_tokens:
-            leaves = [s for s in self._segments if s.children == 0 and s is not keep]
-            victim = min(leaves, key=lambda s: s.last_used) if leaves else keep
+    def _make_room(self, limit: int) -> bool:
+        """Drop least recently used leaf segments until at most `limit` tokens are held; False
+        when no leaf is left to drop (what is left is the path the caller pinned)."""
+        while self.tokens > limit:
+            leaves = [s for s in self._segments if s.children == 0]
+            if not leaves:
+                return False
+            victim = min(leaves, key=lambda s: s.last_used)
             for h in victim.hashes:
                 self._index.pop(h, None)
             if victim.parent is not None:
                 victim.parent.children -= 1
             self._segments.discard(victim)
             self.tokens -= victim.length
+        return True
