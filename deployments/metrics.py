@@ -91,15 +91,7 @@ class IngressMetrics:
     def __init__(self):
         from ray.util import metrics as ray_metrics
 
-        self._metrics = {}
-        for spec in METRICS:
-            if spec.kind == "counter":
-                self._metrics[spec.name] = ray_metrics.Counter(spec.name, spec.description, spec.labels)
-            elif spec.kind == "gauge":
-                self._metrics[spec.name] = ray_metrics.Gauge(spec.name, spec.description, spec.labels)
-            else:
-                self._metrics[spec.name] = ray_metrics.Histogram(spec.name, spec.description,
-                                                                 list(spec.buckets), spec.labels)
+        self._metrics = {spec.name: spec.create(ray_metrics) for spec in METRICS}
         self._running: dict[tuple[str, str], int] = {}
         self._waiting: dict[tuple[str, str], int] = {}
         self._refresher: asyncio.Task | None = None

@@ -217,14 +217,7 @@ class AdapterMetrics:
 
     def __init__(self, exporter: MetricsExporter, tags: dict[str, str]):
         self.tags = tags
-        self._metrics = {}
-        for spec in ADAPTER_METRICS:
-            if spec.kind == "histogram":
-                metric = exporter.Histogram(spec.name, spec.description, list(spec.buckets), spec.labels)
-            else:
-                metric = (exporter.Gauge if spec.kind == "gauge" else exporter.Counter)(spec.name, spec.description,
-                                                                                       spec.labels)
-            self._metrics[spec.name] = metric
+        self._metrics = {spec.name: spec.create(exporter) for spec in ADAPTER_METRICS}
         self._sent: dict[str, float] = {}
 
     def export(self, adapters: DynamicAdapters) -> None:

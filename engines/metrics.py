@@ -27,6 +27,14 @@ class MetricSpec:
         """The name scraped from Ray's endpoint (`ray_` prefix; counters end in `_total`)."""
         return "ray_" + self.name + ("_total" if self.kind == "counter" else "")
 
+    def create(self, exporter: Any) -> Any:
+        """This metric in `exporter` (a `MetricsExporter`, e.g. `ray.util.metrics`): its
+        `Counter`, `Gauge` or `Histogram` (with `buckets`)."""
+        if self.kind == "histogram":
+            return exporter.Histogram(self.name, self.description, list(self.buckets), self.labels)
+        return (exporter.Counter if self.kind == "counter" else exporter.Gauge)(self.name, self.description,
+                                                                                self.labels)
+
 
 class MetricsExporter(Protocol):
     """Where an engine's metrics go: a namespace with `Gauge`, `Counter` and `Histogram` classes

@@ -315,7 +315,7 @@ class HuggingFaceEngine(Engine):
         and export `ADAPTER_METRICS` (adapters loaded at run time) every `interval_s`, labelled
         `model_id` and `backend`, until cancelled; returns once the engine has neither (the
         prefix cache off, or turned off for a model it cannot serve, and no `lora_modules_path`)."""
-        metrics = {spec.name: exporter.Counter(spec.name, spec.description, spec.labels) for spec in HF_METRICS}
+        metrics = {spec.name: spec.create(exporter) for spec in HF_METRICS}
         tags = {"model_id": model_id, "backend": self.config.infer_backend}
         adapter_metrics = AdapterMetrics(exporter, tags)
         sent: dict[str, float] = {}

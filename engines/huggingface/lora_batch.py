@@ -226,8 +226,7 @@ def add_stacked_adapter(model: Any, name: str, adapter: StackedAdapter) -> None:
     for module_name, (a, b) in adapter.factors.items():
         layer = transformers_model.get_submodule(module_name)
         layer.__dict__.setdefault("_lmserve_stacked", {})[name] = (a, b, adapter.scaling)
-    model.__dict__.setdefault("_lmserve_stacked", {})[name] = adapter
-    lora_version_changed()
+    model.__dict__.setdefault("_lmserve_stacked", {})[name] = adapter  # its layers' stacks: rebuilt (`_stack`)
 
 
 def remove_stacked_adapter(model: Any, name: str) -> None:
@@ -239,8 +238,7 @@ def remove_stacked_adapter(model: Any, name: str) -> None:
     adapter = _stacked(model).pop(name)
     transformers_model = model.base_model.model
     for module_name in adapter.factors:
-        del transformers_model.get_submodule(module_name)._lmserve_stacked[name]
-    lora_version_changed()
+        del transformers_model.get_submodule(module_name)._lmserve_stacked[name]  # rebuilt as above
 
 
 def stacked_adapter_names(model: Any) -> set[str]:

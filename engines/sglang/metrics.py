@@ -121,10 +121,7 @@ class SGLangMetricsExporter:
 
     def __init__(self, model_id: str, backend: str, exporter: MetricsExporter):
         self.labels = {"model_id": model_id, "backend": backend}
-        self._metrics: dict[str, Any] = {}
-        for spec in SGLANG_METRICS:
-            cls = exporter.Counter if spec.kind == "counter" else exporter.Gauge
-            self._metrics[spec.name] = cls(spec.name, spec.description, spec.labels)
+        self._metrics: dict[str, Any] = {spec.name: spec.create(exporter) for spec in SGLANG_METRICS}
         self._kinds = {spec.name: spec.kind for spec in SGLANG_METRICS}
         self._counted: dict[tuple[str, SampleKey], float] = {}
 
