@@ -296,7 +296,7 @@ def test_second_cluster_ports_avoid_a_port_held_with_so_reuseport(monkeypatch):
     share its requests."""
     import socket
 
-    import engines.sglang.server_process
+    from deployments.cluster import env as cluster_env
     from deployments.cluster.env import second_cluster_ports_env
 
     with socket.socket() as held:
@@ -307,14 +307,25 @@ def test_second_cluster_ports_avoid_a_port_held_with_so_reuseport(monkeypatch):
         http_port = port + 200
         # the first block would cover `port`, the second `http_port`
         bases = iter([port - 5, http_port - 43, port + 300])
-        real = engines.sglang.server_process.free_port
-        monkeypatch.setattr(engines.sglang.server_process, "free_port",
-                            lambda host="127.0.0.1": next(bases, None) or real(host))
+        real = cluster_env._draw_block_base
+        monkeypatch.setattr(cluster_env, "_draw_block_base", lambda: next(bases, None) or real())
         env = second_cluster_ports_env(avoid=[http_port])
     ports = sorted(int(v) for v in env.values())
     assert port not in range(ports[0], ports[-1] + 1) and http_port not in range(ports[0], ports[-1] + 1)
     assert ports[0] not in (port - 5, http_port - 43)
     assert int(env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"]) == ports[0] + 39
+
+
+def test_second_cluster_ports_are_drawn_outside_the_ephemeral_and_ray_worker_ranges():
+    """A block drawn among the kernel's ephemeral ports (where `free_port` and every outgoing
+    connection get theirs) was free when checked and taken before the fallback proxy bound it."""
+    from deployments.cluster.env import _ephemeral_port_range, second_cluster_ports_env
+
+    ephemeral_low, ephemeral_high = _ephemeral_port_range()
+    for _ in range(20):
+        ports = sorted(int(v) for v in second_cluster_ports_env().values())
+        assert 20000 <= ports[0] and ports[-1] < 30000
+        assert not ephemeral_low <= ports[-1] <= ephemeral_high
 
 
 def test_second_cluster_ports_cover_every_fixed_serve_port():

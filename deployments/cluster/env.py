@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import shutil
 import socket
 import sys
@@ -169,6 +170,38 @@ def _serve_ports(env: dict[str, str]) -> set[int]:
     return ports
 
 
+# Where a second cluster's block of ports is drawn: above Ray's worker ports (`--min-worker-port`
+# 10002 to `--max-worker-port` 19999) and below both Serve's direct-ingress HTTP range (30000) and
+# the kernel's ephemeral range (`net.ipv4.ip_local_port_range`, 32768-60999 by default). A block
+# in the ephemeral range was free when checked and taken before the fallback proxy bound it
+# seconds later (a CI run: "Failed to bind to address '127.0.0.1:37297'"): outgoing connections
+# and every listener that asks for port 0 (Ray's own among them) take ports there at any moment.
+SECOND_CLUSTER_PORT_RANGE = (20000, 30000)
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for ports bound to 0 and outgoing connections (Linux; its default elsewhere)."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _draw_block_base() -> int:
+    """A random first port for a second cluster's block of 44 (`SECOND_CLUSTER_PORT_RANGE`, less
+    the ephemeral range where it overlaps); an OS-assigned port where nothing is left of it."""
+    low, high = SECOND_CLUSTER_PORT_RANGE
+    ephemeral_low, ephemeral_high = _ephemeral_port_range()
+    if ephemeral_low < high and ephemeral_high >= low:  # the range overlaps: keep what is below it
+        high = ephemeral_low
+    if high - 44 <= low:
+        from engines.sglang.server_process import free_port
+
+        return free_port()
+    return random.randrange(low, high - 44)
+
+
 def second_cluster_ports_env(avoid: Collection[int] = ()) -> dict[str, str]:
     """Environment for a second Ray cluster in high-throughput mode on a machine that runs one
     already (tests, benchmarks). Every port a Serve cluster binds besides its HTTP port is fixed
@@ -180,7 +213,8 @@ def second_cluster_ports_env(avoid: Collection[int] = ()) -> dict[str, str]:
       (HTTP 8500, gRPC 9500; `RAY_SERVE_FALLBACK_PROXY_*_PORT`);
     - HAProxy's stats (8404) and metrics (9101) ports.
     This gives the second cluster one block of 44 consecutive ports: 20 direct-ingress HTTP, 20
-    gRPC, then stats, metrics, fallback HTTP and fallback gRPC. Every port of the block is
+    gRPC, then stats, metrics, fallback HTTP and fallback gRPC, drawn from
+    `SECOND_CLUSTER_PORT_RANGE` (outside the kernel's ephemeral range). Every port of the block is
     checked to be free on all interfaces (a port another cluster holds with SO_REUSEPORT counts
     as taken) and to be none of `avoid` (ports the caller has picked but not bound yet, such as
     the cluster's HTTP port) and outside the direct-ingress ranges of a cluster on Ray's
@@ -189,15 +223,13 @@ def second_cluster_ports_env(avoid: Collection[int] = ()) -> dict[str, str]:
     Raises:
         PortsInUseError: no such block found in 100 tries.
     """
-    from engines.sglang.server_process import free_port
-
     # nor the ranges a cluster on Ray's defaults hands out to replicas later
     avoid = set(avoid) | set(range(RAY_SERVE_DEFAULT_PORTS["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"],
                                    RAY_SERVE_DEFAULT_PORTS["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] + 1))
     avoid |= set(range(RAY_SERVE_DEFAULT_PORTS["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"],
                        RAY_SERVE_DEFAULT_PORTS["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"] + 1))
     for _ in range(100):
-        base = free_port()
+        base = _draw_block_base()
         block = range(base, base + 44)
         if avoid.isdisjoint(block) and all(_port_is_free(port) for port in block):
             break
