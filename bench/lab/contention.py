@@ -60,8 +60,12 @@ def _child(opts: argparse.Namespace) -> int:
 
 
 def _tokens_per_s(out: Path) -> float:
+    """The child's level summarised as `python -m bench` summarises every target's."""
+    from bench.metrics import RequestRecord, summarize
+
     level = json.loads(out.read_text())["levels"][0]
-    return sum(r.get("completion_tokens") or 0 for r in level["records"]) / level["wall_s"]
+    records = [RequestRecord.from_dict(r) for r in level["records"]]
+    return summarize(level["concurrency"], records, level["wall_s"]).tokens_per_s
 
 
 def _measure(variant: str, opts: argparse.Namespace, model_dir: str) -> float:
