@@ -222,6 +222,40 @@ def test_one_long_prompt_waits_until_the_batch_holds_room_for_its_padded_width(l
         assert out[name] == alone[0, length:].tolist(), name
 
 
+def test_kv_positions_are_what_the_caches_hold_after_every_step(llama_model):
+    """`kv_positions` (the `hf_kv_cache_usage_perc` gauge's numerator) equals the KV positions
+    in the batch's cache plus those of the prompts being prefilled in chunks, after every step
+    while requests join, prefill and leave, and 0 once the batch is empty."""
+    batcher = ContinuousBatcher(llama_model, chunked_prefill_size=16)
+    pairs: list[tuple[int, int]] = []
+    finished = threading.Semaphore(0)
+
+    def emit(items):
+        assert not isinstance(items, BaseException), items
+        job = batcher._prefilling  # on the worker thread, after the step: nothing moves
+        pairs.append((batcher.kv_positions,
+                      _held_positions(batcher._cache) + (_held_positions(job.cache) if job else 0)))
+        if any(finish for _, _, finish, _, _ in items):
+            finished.release()
+
+    batcher.start()
+    try:
+        for k, (length, max_tokens) in enumerate([(30, 12), (9, 30), (70, 8)]):
+            batcher.submit(BatchRequest(f"r{k}", _prompt(k, length), SamplingParams(temperature=0, ignore_eos=True),
+                                        max_tokens, set(), torch.Generator(), emit))
+            time.sleep(0.05)
+        for _ in range(3):
+            assert finished.acquire(timeout=60)
+        deadline = time.monotonic() + 10
+        while batcher.kv_positions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batcher.kv_positions == 0
+    finally:
+        batcher.stop()
+    assert len(pairs) >= 30 and max(held for _, held in pairs) > 70
+    assert [got for got, _ in pairs] == [held for _, held in pairs]
+
+
 def test_a_lone_request_beyond_the_bound_is_still_served(llama_model):
     """A request that alone holds more than `max_batch_tokens` is admitted into an empty batch
     (it would otherwise never be), as before the bound counted padded positions."""

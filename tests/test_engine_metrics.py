@@ -264,6 +264,13 @@ def test_dashboard_has_kv_cache_and_prefix_cache_panels_for_both_engines():
     assert "ray_lmserve_prefix_cache_hit_tokens_total" in panels["Prefix-cache hit rate"][0]
 
 
+class _StandInBatcher:
+    """What `HuggingFaceEngine.export_metrics` reads of its batcher."""
+
+    def __init__(self, prefix_cache=None, kv_positions: int = 0, max_batch_tokens: int = 1000):
+        self.prefix_cache, self.kv_positions, self.max_batch_tokens = prefix_cache, kv_positions, max_batch_tokens
+
+
 def test_the_huggingface_engine_exports_its_prefix_cache_counters(recorded):
     """Issue 39: the huggingface backend's prefix cache hits, as vLLM's counters count them
     (tokens looked up, tokens found), added as they grow."""
@@ -271,12 +278,8 @@ def test_the_huggingface_engine_exports_its_prefix_cache_counters(recorded):
     from engines.huggingface.prefix_cache import PrefixCache
 
     engine = HuggingFaceEngine(EngineConfig())
-
-    class Batcher:
-        prefix_cache = PrefixCache(100)
-
-    engine._batcher = Batcher()
-    cache = Batcher.prefix_cache
+    cache = PrefixCache(100)
+    engine._batcher = batcher = _StandInBatcher(cache)
 
     async def scenario():
         task = asyncio.create_task(engine.export_metrics("m", ray_metrics, interval_s=0.01))
@@ -284,13 +287,48 @@ def test_the_huggingface_engine_exports_its_prefix_cache_counters(recorded):
         await asyncio.sleep(0.05)
         cache.queried_tokens, cache.hit_tokens = 200, 96
         await asyncio.sleep(0.05)
-        Batcher.prefix_cache = None  # turned off (a model it cannot serve): the export ends
+        batcher.prefix_cache = None  # turned off (a model it cannot serve): the counters stay
+        await asyncio.sleep(0.05)
+        engine._batcher = None  # shut down: the export ends
         await asyncio.wait_for(task, 1)
 
     asyncio.run(scenario())
     key = ("m", "huggingface")
     assert recorded["hf_prefix_cache_queries"].values[key] == 200
     assert recorded["hf_prefix_cache_hits"].values[key] == 96
+
+
+def test_the_huggingface_engine_exports_how_full_its_kv_and_prefix_caches_are(recorded):
+    """Issue 39: the batch's KV positions over `hf_max_batch_tokens` (vLLM's
+    `kv_cache_usage_perc`) and the prefix cache's tokens over its bound, as gauges that follow
+    both up and down; the prefix cache's reads 0 once it is off."""
+    from engines.huggingface.engine import HuggingFaceEngine
+    from engines.huggingface.prefix_cache import PrefixCache
+
+    engine = HuggingFaceEngine(EngineConfig())
+    cache = PrefixCache(200)
+    engine._batcher = batcher = _StandInBatcher(cache, kv_positions=250, max_batch_tokens=1000)
+    key = ("m", "huggingface")
+    seen = []
+
+    def read():
+        return recorded["hf_kv_cache_usage_perc"].values[key], recorded["hf_prefix_cache_usage_perc"].values[key]
+
+    async def scenario():
+        task = asyncio.create_task(engine.export_metrics("m", ray_metrics, interval_s=0.01))
+        cache.tokens = 50
+        await asyncio.sleep(0.05)
+        seen.append(read())
+        batcher.kv_positions, cache.tokens = 0, 150
+        await asyncio.sleep(0.05)
+        seen.append(read())
+        batcher.prefix_cache = None
+        await asyncio.sleep(0.05)
+        seen.append(read())
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert seen == [(0.25, 0.25), (0.0, 0.75), (0.0, 0.0)]
 
 
 def test_dashboard_queries_only_engine_series_that_are_exported():
@@ -347,11 +385,7 @@ def test_the_huggingface_engine_exports_its_run_time_adapters(recorded):
     from engines.huggingface.engine import HuggingFaceEngine
 
     engine = HuggingFaceEngine(EngineConfig())
-
-    class Batcher:
-        prefix_cache = None
-
-    engine._batcher = Batcher()
+    engine._batcher = _StandInBatcher()
     adapters = engine._dynamic_adapters = DynamicAdapters("/nowhere", 2, lambda path: None, None)
 
     async def scenario():
@@ -359,7 +393,7 @@ def test_the_huggingface_engine_exports_its_run_time_adapters(recorded):
         run_adapters(adapters)
         await asyncio.sleep(0.05)
         engine._dynamic_adapters = None
-        await asyncio.wait_for(task, 1)
+        task.cancel()
 
     asyncio.run(scenario())
     key = ("m", "huggingface")

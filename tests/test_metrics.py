@@ -148,6 +148,37 @@ def test_the_huggingface_prefix_cache_counts_its_hits(client, metrics_url):
     assert (prompt - 1) // 16 * 16 <= _moved(before, after, *hits) < prompt + (prompt - 1) // 16 * 16
 
 
+def _hf_gauge(metrics_url: str, name: str, wanted, timeout_s: float = 30) -> float:
+    """The huggingface engine's gauge `name` once `wanted(value)` holds (the engine sets its
+    gauges every 5 s), or its last value after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = scrape_metrics(metrics_url, "ray_hf_").get((name, MODEL))
+        if (value is not None and wanted(value)) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+def test_the_huggingface_engine_reports_how_full_its_caches_are(serve_url, metrics_url):
+    """Issue 39: while a long answer streams, the batch's KV positions show in
+    `hf_kv_cache_usage_perc`; once it has ended, that gauge is back to 0 and the prefix cache
+    holds the finished sequence (`hf_prefix_cache_usage_perc` above 0, within its bound)."""
+    kv, prefix = "ray_hf_kv_cache_usage_perc", "ray_hf_prefix_cache_usage_perc"
+    with httpx.stream("POST", serve_url + "/v1/chat/completions", timeout=120,
+                      headers={"authorization": f"Bearer {TEST_API_KEY}"},
+                      json={"model": "smollm2", "messages": QUESTION, "max_tokens": 1000, "ignore_eos": True,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines), next(lines)  # role chunk, first token: the request is running
+        running = _hf_gauge(metrics_url, kv, lambda v: v > 0)
+    # a client that goes away ends the request (test_client_disconnect_counts_as_abort)
+    idle = _hf_gauge(metrics_url, kv, lambda v: v == 0)
+    held = _hf_gauge(metrics_url, prefix, lambda v: v > 0)
+    assert 0 < running < 1
+    assert idle == 0
+    assert 0 < held <= 1
+
+
 def test_client_disconnect_counts_as_abort(serve_url, metrics_url):
     before = _quiet(metrics_url)
     with httpx.stream("POST", serve_url + "/v1/chat/completions", timeout=120,

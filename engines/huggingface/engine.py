@@ -49,12 +49,20 @@ from engines.structured_output import GrammarCompiler
 logger = logging.getLogger(__name__)
 
 #: The prefix cache's counters (vLLM's `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`,
-#: in tokens), exported by `HuggingFaceEngine.export_metrics`.
+#: in tokens) and how full the batch's KV cache and the prefix cache are (vLLM's
+#: `vllm:kv_cache_usage_perc`, SGLang's `sglang:token_usage`), exported by
+#: `HuggingFaceEngine.export_metrics`.
 HF_METRICS = (
     MetricSpec("hf_prefix_cache_queries", "counter", "tokens",
                "Prompt tokens looked up in the huggingface backend's prefix cache."),
     MetricSpec("hf_prefix_cache_hits", "counter", "tokens",
                "Prompt tokens found in the huggingface backend's prefix cache (not prefilled)."),
+    MetricSpec("hf_kv_cache_usage_perc", "gauge", "ratio",
+               "KV positions the huggingface backend's batch holds (rows x padded width) over "
+               "hf_max_batch_tokens, 0..1 (above 1 only while one request alone exceeds the bound)."),
+    MetricSpec("hf_prefix_cache_usage_perc", "gauge", "ratio",
+               "Tokens the huggingface backend's prefix cache holds over its bound "
+               "(hf_prefix_cache_tokens), 0..1."),
 )
 #: Seconds between two exports of the counters.
 METRICS_INTERVAL_S = 5.0
@@ -311,26 +319,28 @@ class HuggingFaceEngine(Engine):
 
     async def export_metrics(self, model_id: str, exporter: MetricsExporter, interval_s: float = METRICS_INTERVAL_S
                              ) -> None:
-        """Add what grew to `HF_METRICS`' counters (the prefix cache's queried and hit tokens)
-        and export `ADAPTER_METRICS` (adapters loaded at run time) every `interval_s`, labelled
-        `model_id` and `backend`, until cancelled; returns once the engine has neither (the
-        prefix cache off, or turned off for a model it cannot serve, and no `lora_modules_path`)."""
+        """Export `HF_METRICS` (what grew of the prefix cache's queried and hit tokens; the
+        batch's KV cache usage, and the prefix cache's while it is on) and `ADAPTER_METRICS`
+        (adapters loaded at run time) every `interval_s`, labelled `model_id` and `backend`,
+        until cancelled; returns once the engine has no batcher (shut down, or a reward or
+        embedding model)."""
         metrics = {spec.name: spec.create(exporter) for spec in HF_METRICS}
         tags = {"model_id": model_id, "backend": self.config.infer_backend}
         adapter_metrics = AdapterMetrics(exporter, tags)
         sent: dict[str, float] = {}
-        while self._batcher is not None:
-            cache, adapters = self._batcher.prefix_cache, self._dynamic_adapters
-            if cache is None and adapters is None:
-                return
+        while (batcher := self._batcher) is not None:
+            cache, adapters = batcher.prefix_cache, self._dynamic_adapters
             if adapters is not None:
                 adapter_metrics.export(adapters)
+            metrics["hf_kv_cache_usage_perc"].set(batcher.kv_positions / batcher.max_batch_tokens, tags)
             if cache is not None:
                 totals = {"hf_prefix_cache_queries": cache.queried_tokens, "hf_prefix_cache_hits": cache.hit_tokens}
                 for name, total in totals.items():
                     if total > sent.get(name, 0):
                         metrics[name].inc(total - sent.get(name, 0), tags)
                         sent[name] = total
+            # 0 while it is off (or turned itself off for a model it cannot serve)
+            metrics["hf_prefix_cache_usage_perc"].set(cache.tokens / cache.max_tokens if cache else 0.0, tags)
             await asyncio.sleep(interval_s)
 
     async def shutdown(self) -> None:

@@ -351,6 +351,18 @@ class ContinuousBatcher:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def kv_positions(self) -> int:
+        """KV positions the batch holds now, per layer, as `max_batch_tokens` counts them: the
+        decoding rows x the batch's padded width, plus the prompts being prefilled x the columns
+        of them already in their cache. Safe to read from any thread (a gauge's value: it may be
+        a step old)."""
+        mask, job = self._mask, self._prefilling  # each read once: the worker thread replaces them
+        held = mask.shape[0] * mask.shape[1] if mask is not None else 0
+        if job is not None:
+            held += job.ids.shape[0] * job.done
+        return held
+
     # ---- worker thread --------------------------------------------------------------------
 
     def _run(self) -> None:
