@@ -23,7 +23,12 @@ from deployments.serve.deployment_defaults import (
     ROUTING_STATS_PERIOD_S,
 )
 from deployments.serve.model_client import SESSION_ID, ReplicaClient
-from deployments.serve.request_router import REPORT_GRACE_S, PrefixAffinityIndex, PrefixAffinityRouter
+from deployments.serve.request_router import (
+    REPORT_GRACE_S,
+    PrefixAffinityIndex,
+    PrefixAffinityRouter,
+    rendezvous_replica,
+)
 from engines import BUILT_BACKENDS
 from engines.base import GenerationRequest, MediaInput
 
@@ -143,7 +148,47 @@ async def test_a_session_stays_on_its_replica_whatever_its_prompt(router, replic
     first = pending([1] * 40, session_id="chat-7", request_id="1")
     router.on_request_routed(first, replicas[2].replica_id, None)
     assert (await ranks(router, replicas, pending([9] * 40, session_id="chat-7")))[0] == ["r2"]
-    assert len(await ranks(router, replicas, pending([9] * 40, session_id="chat-8"))) == 1
+    # a session it has not routed: its rendezvous replica, whatever replica holds its prompt
+    router.on_request_routed(pending(SYSTEM, request_id="2"), replicas[0].replica_id, None)
+    home = rendezvous_replica("chat-8", {r.replica_id for r in replicas}).unique_id
+    assert (await ranks(router, replicas, pending(SYSTEM, session_id="chat-8")))[0] == [home]
+
+
+def test_rendezvous_hashing_spreads_sessions_and_moves_only_a_leaving_replicas():
+    replicas = {f"replica-{k}" for k in range(4)}
+    homes = {f"s{i}": rendezvous_replica(f"s{i}", replicas) for i in range(400)}
+    assert all(60 <= list(homes.values()).count(r) <= 140 for r in replicas)  # about 100 each
+    after = {s: rendezvous_replica(s, replicas - {"replica-3"}) for s in homes}
+    assert {s for s in homes if after[s] != homes[s]} == {s for s in homes if homes[s] == "replica-3"}
+
+
+def test_two_ingress_replicas_send_a_new_session_to_the_same_model_replica():
+    """Each ingress replica has its own router and index: a conversation whose turns reach
+    different ingress replicas still lands on one model replica, with no state shared; without
+    a session ID, the two would pick by power of two choices, each on its own."""
+    async def body():
+        replicas = [FakeReplica(name) for name in ("r0", "r1", "r2", "r3")]
+        routers = []
+        for _ in range(2):
+            router = PrefixAffinityRouter(
+                deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
+                use_replica_queue_len_cache=False, self_node_id="node", self_availability_zone=None,
+                prefer_local_node_routing=False, prefer_local_az_routing=False,
+                create_replica_wrapper_func=lambda info: info)
+            router.initialize_state()
+            router.update_replicas(replicas)
+            routers.append(router)
+        for k in range(20):
+            turn = pending(SYSTEM + [k] * 20, session_id=f"chat-{k}")
+            picks = [(await ranks(router, replicas, turn))[0] for router in routers]
+            assert picks[0] == picks[1] and len(picks[0]) == 1, k
+        # the session's home, loaded well above the others, is passed over
+        home = rendezvous_replica("chat-0", {r.replica_id for r in replicas})
+        for i in range(5):
+            routers[0].on_request_routed(pending(SYSTEM, request_id=f"busy{i}"), home, None)
+        assert len(await ranks(routers[0], replicas, pending(SYSTEM + [0] * 20, session_id="chat-0"))) == 1
+
+    asyncio.run(body())
 
 
 @route
@@ -176,7 +221,10 @@ async def test_requests_the_index_cannot_name_are_routed_by_power_of_two_choices
 async def test_a_replica_that_left_is_forgotten(router, replicas):
     router.on_request_routed(pending(SYSTEM, session_id="s"), replicas[0].replica_id, None)
     router.update_replicas(replicas[1:])
-    assert len(await ranks(router, replicas[1:], pending(SYSTEM, session_id="s"))) == 1
+    # the session goes where rendezvous hashing puts it among the replicas left
+    home = rendezvous_replica("s", {r.replica_id for r in replicas[1:]}).unique_id
+    assert (await ranks(router, replicas[1:], pending(SYSTEM, session_id="s")))[0] == [home]
+    assert len(await ranks(router, replicas[1:], pending(SYSTEM))) == 1  # and SYSTEM's prefix is forgotten
     assert replicas[0].replica_id not in router.in_flight
     router.on_request_completed(replicas[0].replica_id, "r")  # a late completion of the gone replica
 

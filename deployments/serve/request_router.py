@@ -24,11 +24,15 @@ and Ray Serve LLM's `PrefixCacheAffinityRouter`, on token ids instead of text:
 The index is per router, so per ingress replica: two ingress replicas may place the same
 prefix on two model replicas (each keeps it afterwards). Ray Serve LLM shares one index between
 routers through a detached actor and a blocking call per request; lmserve keeps the routing
-decision local and cheap instead.
+decision local and cheap instead. Sessions need no shared index: a session a router has not
+routed yet goes to the replica rendezvous hashing picks for its ID (`rendezvous_replica`), the
+same from every ingress replica, so a conversation that sends `x-session-id` stays on one
+replica whichever ingress replica each turn reaches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -170,6 +174,19 @@ def routing_key(pending_request: PendingRequest | None) -> GenerationRequest | N
     return request
 
 
+def rendezvous_replica(key: str, replicas: set[Any]) -> Any:
+    """The replica of `replicas` (non-empty; `ReplicaID`s or their IDs as strings) that
+    rendezvous (highest-random-weight) hashing assigns `key` to: the one whose hash with `key`
+    is highest. Any process computes the same for the same set; a replica leaving moves only
+    the keys it had, one joining takes only a share of the others'. (Thaler and Ravishankar,
+    "Using name-based mappings to increase hit rates", 1998.)"""
+    def weight(replica: Any) -> bytes:
+        name = getattr(replica, "unique_id", replica)
+        return hashlib.blake2b(f"{key}\x00{name}".encode(), digest_size=8).digest()
+
+    return max(replicas, key=weight)
+
+
 class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     """Ray Serve request router: the replica holding a request's session or longest prompt
     prefix first, power of two choices otherwise (see the module's docstring).
@@ -208,7 +225,8 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
     def preferred(self, candidates: list[RunningReplica], request: GenerationRequest,
                   session_id: str) -> list[RunningReplica]:
-        """The replicas to try before power of two choices: the session's; else, for a LoRA
+        """The replicas to try before power of two choices: the session's (for a session this
+        router has not routed, the one `rendezvous_replica` picks for it); else, for a LoRA
         adapter, those that hold it (`adapter_holders`; the one with the longest prefix of the
         prompt first, then the least loaded); else those with the longest prefix of the prompt.
         Empty when none, when the match is too short, or when they are loaded more than
@@ -223,8 +241,16 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         threshold = self.imbalanced_threshold
         if (sticky := self.index.session_replica(session_id)) in by_id:
             return [by_id[sticky]] if self.in_flight.get(sticky, 0) - self._least(by_id) <= threshold else []
+        holders = self.adapter_holders(request.lora_name, by_id) if request.lora_name else set()
+        if session_id:
+            # A session this router has not routed (its first request, or one another ingress
+            # replica routed): the replica rendezvous hashing picks for it, among the adapter's
+            # holders if any, which every ingress replica computes alike without sharing state.
+            home = rendezvous_replica(session_id, holders or set(by_id))
+            limit = self.adapter_imbalanced_threshold if holders else threshold
+            return [by_id[home]] if self.in_flight.get(home, 0) - self._least(by_id) <= limit else []
         hashes = self.index.hashes(request.prompt_token_ids, request.lora_name or "")
-        if request.lora_name and (holders := self.adapter_holders(request.lora_name, by_id)):
+        if holders:
             best, _ = self.index.longest(hashes, holders)
             chosen = sorted(holders, key=lambda rid: (rid not in best, self.in_flight.get(rid, 0)))
             threshold = self.adapter_imbalanced_threshold
