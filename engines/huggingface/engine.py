@@ -64,7 +64,7 @@ HF_METRICS = (
                "Tokens the huggingface backend's prefix cache holds over its bound "
                "(hf_prefix_cache_tokens), 0..1."),
 )
-#: Seconds between two exports of the counters.
+#: Seconds between two exports of the metrics.
 METRICS_INTERVAL_S = 5.0
 
 
@@ -340,7 +340,8 @@ class HuggingFaceEngine(Engine):
                         metrics[name].inc(total - sent.get(name, 0), tags)
                         sent[name] = total
             # 0 while it is off (or turned itself off for a model it cannot serve)
-            metrics["hf_prefix_cache_usage_perc"].set(cache.tokens / cache.max_tokens if cache else 0.0, tags)
+            usage = cache.tokens / cache.max_tokens if cache is not None else 0.0
+            metrics["hf_prefix_cache_usage_perc"].set(usage, tags)
             await asyncio.sleep(interval_s)
 
     async def shutdown(self) -> None:
