@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--transformers-sdpa", action="store_true",
                         help="keep transformers' sdpa attention (copies the KV cache per step for grouped "
                              "heads) instead of the engine's lmserve_sdpa")
+    parser.add_argument("--cpu-linear", choices=("torch", "onednn"), default="torch",
+                        help="the engine's hf_cpu_linear: PyTorch's MKL GEMM or oneDNN for the linear layers")
     args = parser.parse_args()
 
     import torch
@@ -47,12 +49,16 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(ensure_embedded_model(), dtype=dtype).eval()
     if not args.transformers_sdpa:
         use_gqa_attention(model)  # as the engine loads it (engines/huggingface/engine.py)
+    if args.cpu_linear == "onednn":
+        from engines.huggingface.linear import use_onednn_linear
+
+        use_onednn_linear(model)
     config = model.config
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rows = args.rows
     print(f"{type(model).__name__} {args.dtype}, {rows} rows, {args.threads} torch threads, "
-          f"attention {model.config._attn_implementation}")
+          f"attention {model.config._attn_implementation}, linear layers: {args.cpu_linear}")
     print("| context | step ms (median) | tokens/s | vs first | attention | matmul | other |")
     print("|--:|--:|--:|--:|--:|--:|--:|")
     first = None
@@ -98,7 +104,8 @@ def _shares(prof) -> dict[str, float]:
         name = event.key
         if "scaled_dot_product" in name or "flash_attention" in name:
             kind = "attention"
-        elif name in ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear"):
+        elif name in ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear",
+                      "mkldnn::_linear_pointwise"):
             kind = "matmul"
         else:
             kind = "other"
