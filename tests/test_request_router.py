@@ -105,18 +105,24 @@ def pending(tokens: list[int], *, session_id: str = "", request_id: str = "r", l
     return PendingRequest(args=[request], kwargs={}, metadata=metadata)
 
 
+def new_router(replicas) -> PrefixAffinityRouter:
+    """A router with default kwargs over `replicas`, as Ray makes one in a handle's process."""
+    router = PrefixAffinityRouter(
+        deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=False, self_node_id="node", self_availability_zone=None,
+        prefer_local_node_routing=False, prefer_local_az_routing=False,
+        create_replica_wrapper_func=lambda info: info)
+    router.initialize_state()
+    router.update_replicas(replicas)
+    return router
+
+
 def route(coroutine_fn):
     """Run a test body with a router of 3 fake replicas, in an event loop as Ray runs it."""
     def run():
         async def body():
-            router = PrefixAffinityRouter(
-                deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
-                use_replica_queue_len_cache=False, self_node_id="node", self_availability_zone=None,
-                prefer_local_node_routing=False, prefer_local_az_routing=False,
-                create_replica_wrapper_func=lambda info: info)
-            router.initialize_state()
             replicas = [FakeReplica(name) for name in ("r0", "r1", "r2")]
-            router.update_replicas(replicas)
+            router = new_router(replicas)
             await coroutine_fn(router, replicas)
         asyncio.run(body())
     run.__name__ = coroutine_fn.__name__
@@ -168,16 +174,7 @@ def test_two_ingress_replicas_send_a_new_session_to_the_same_model_replica():
     a session ID, the two would pick by power of two choices, each on its own."""
     async def body():
         replicas = [FakeReplica(name) for name in ("r0", "r1", "r2", "r3")]
-        routers = []
-        for _ in range(2):
-            router = PrefixAffinityRouter(
-                deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
-                use_replica_queue_len_cache=False, self_node_id="node", self_availability_zone=None,
-                prefer_local_node_routing=False, prefer_local_az_routing=False,
-                create_replica_wrapper_func=lambda info: info)
-            router.initialize_state()
-            router.update_replicas(replicas)
-            routers.append(router)
+        routers = [new_router(replicas) for _ in range(2)]
         for k in range(20):
             turn = pending(SYSTEM + [k] * 20, session_id=f"chat-{k}")
             picks = [(await ranks(router, replicas, turn))[0] for router in routers]

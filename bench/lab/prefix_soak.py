@@ -30,18 +30,13 @@ import json
 import os
 import random
 import re
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 
-from bench.lab.soak import wait_ready
-from engines.sglang.server_process import free_port
+from bench.lab.soak import start_lmserve, stop_lmserve, wait_ready
 
 WORDS = ("harbor tide lantern keel anchor gull reef current beacon mast sail rope compass chart storm "
          "quay ferry pier wave salt fog bell dock crane cargo pilot buoy inlet shoal cove").split()
@@ -159,24 +154,9 @@ def main() -> int:
     parser.add_argument("--max-rss-growth-mib", type=float, default=100.0)
     args = parser.parse_args()
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    workdir = Path(tempfile.mkdtemp(prefix="lmserve-prefix-soak-"))
-    config = workdir / "serve_config.yaml"
-    config.write_text(f"""http_options: {{host: 127.0.0.1, port: {port}}}
-applications:
-  - name: prefix-soak
-    route_prefix: /
-    import_path: deployments.app:build_app
-    args:
-      models:
-        - model_id: smollm2
-          hf_prefix_cache_tokens: {args.cache_tokens}
-          deployment: {{num_replicas: 1, max_ongoing_requests: 64, ray_actor_options: {{num_cpus: 2}}}}
-""")
-    log = workdir / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", "serve", str(config)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc, base, log = start_lmserve("prefix-soak", f"hf_prefix_cache_tokens: {args.cache_tokens}\n"
+                                    "deployment: {num_replicas: 1, max_ongoing_requests: 64, "
+                                    "ray_actor_options: {num_cpus: 2}}")
     try:
         wait_ready(base, time.monotonic() + 300)
         deadline = time.monotonic() + 60
@@ -189,11 +169,7 @@ applications:
         outcomes, samples = asyncio.run(soak(base, metrics_url, args))
         warm = probe(base)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_lmserve(proc)
 
     print(f"\n{args.requests} requests, {args.streams} streams, {args.max_tokens} new tokens, "
           f"hf_prefix_cache_tokens {args.cache_tokens}, {os.cpu_count()} CPUs\n")

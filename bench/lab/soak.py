@@ -112,6 +112,38 @@ def wait_ready(base: str, deadline: float) -> None:
     raise TimeoutError("server did not become ready")
 
 
+def start_lmserve(name: str, model_fields: str) -> tuple[subprocess.Popen, str, Path]:
+    """Start `lmserve serve` on 127.0.0.1 with one application `name` serving the default model
+    as `smollm2`, its entry's further fields `model_fields` (YAML, one line each); returns the
+    process, the base URL and the server's log file. Not waited for: `wait_ready`."""
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix=f"lmserve-{name}-"))
+    config = workdir / "serve_config.yaml"
+    fields = "".join(f"          {line}\n" for line in model_fields.splitlines())
+    config.write_text(f"""http_options: {{host: 127.0.0.1, port: {port}}}
+applications:
+  - name: {name}
+    route_prefix: /
+    import_path: deployments.app:build_app
+    args:
+      models:
+        - model_id: smollm2
+{fields}""")
+    log = workdir / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", "serve", str(config)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def stop_lmserve(proc: subprocess.Popen) -> None:
+    """SIGTERM (lmserve drains and stops), SIGKILL to its process group after 120 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.lab.soak", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=120, help="seconds of overload")
@@ -120,23 +152,7 @@ def main() -> int:
     parser.add_argument("--request-timeout", type=float, default=300, help="a request still open then is hung")
     args = parser.parse_args()
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    workdir = Path(tempfile.mkdtemp(prefix="lmserve-soak-"))
-    config = workdir / "serve_config.yaml"
-    config.write_text(f"""http_options: {{host: 127.0.0.1, port: {port}}}
-applications:
-  - name: soak
-    route_prefix: /
-    import_path: deployments.app:build_app
-    args:
-      models:
-        - model_id: smollm2
-          deployment: {{num_replicas: 1, ray_actor_options: {{num_cpus: 2}}}}
-""")
-    lmserve = [sys.executable, "-m", "deployments.cli.main", "serve", str(config)]
-    proc = subprocess.Popen(lmserve, stdout=open(workdir / "server.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc, base, _ = start_lmserve("soak", "deployment: {num_replicas: 1, ray_actor_options: {num_cpus: 2}}")
     url = base + "/v1/chat/completions"
     try:
         wait_ready(base, time.monotonic() + 300)
@@ -150,11 +166,7 @@ applications:
                                                                   "of France?"}], "temperature": 0, "max_tokens": 16})
         answered = answer.status_code == 200 and "Paris" in answer.json()["choices"][0]["message"]["content"]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_lmserve(proc)
     total = sum(outcomes.values())
     print(f"\n| soak ({args.duration:.0f} s at {args.overload:g}x capacity = {rate:.2f} req/s, "
           f"{args.max_tokens} tokens) | count |\n|---|---|")
