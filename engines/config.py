@@ -134,10 +134,11 @@ class HuggingfaceArgs(BackendArgs):
         "recently used first out. -1 = the KV that fits in 10 % of the memory (RAM on CPU, the GPU's free "
         "memory after loading on CUDA); 0 = off. Off for models with sliding-window or recurrent cache layers, "
         "for requests with images or `prompt_logprobs`, and with `use_kv_cache: false`.")
-    cpu_linear: Literal["torch", "onednn"] = Field(
-        "torch", description="On CPU, what runs the model's linear layers: `torch` (PyTorch's MKL GEMM) or "
-        "`onednn` (oneDNN's matmul, as vLLM's CPU backend; 1.4-1.7x faster decode steps measured on an AMD "
-        "EPYC). Results differ in the last bits, so a greedy answer may differ where two tokens are that close.")
+    cpu_linear: Literal["auto", "torch", "onednn"] = Field(
+        "auto", description="On CPU, what runs the model's plain float32/bfloat16 linear layers: `onednn` "
+        "(oneDNN's matmul, as vLLM's CPU backend; 1.4-1.7x faster decode steps measured on an AMD EPYC), `torch` "
+        "(PyTorch's MKL GEMM), or `auto`: oneDNN where this PyTorch build has it, else PyTorch's. The two differ "
+        "in the last bits, so a greedy answer may differ where two tokens' logits are that close.")
     batch_wait_timeout_ms: float = Field(
         50, ge=0, description="When the batch is empty, the longest a first request waits for others to join "
         "its prefill (ms); 0 admits at once.")

@@ -730,24 +730,25 @@ def test_prefix_cache_gives_the_answers_of_a_full_prefill(model_dir, renderer, h
         run(engine.shutdown())
 
 
-def test_onednn_linear_layers_answer_as_the_default_does(model_dir, hf_engine, renderer):
-    """`hf_cpu_linear: onednn`: every linear layer of the default model runs on oneDNN, and the
-    greedy answer to the question is the default engine's (their logits differ in the last bits
-    only; tests/test_onednn_linear.py)."""
+def test_onednn_linear_layers_answer_as_pytorchs_gemm_does(model_dir, hf_engine, renderer):
+    """`hf_cpu_linear`: by default (`auto`) every linear layer of the default model runs on oneDNN,
+    and the greedy answer to the question is that of PyTorch's own GEMM (`torch`; their logits
+    differ in the last bits only: tests/test_onednn_linear.py)."""
     import torch
 
     from engines.config import EngineConfig
     from engines.huggingface.engine import HuggingFaceEngine
     from engines.huggingface.linear import _onednn_forward
 
-    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), hf_cpu_linear="onednn"))
+    linears = [m for m in hf_engine._model.modules() if type(m) is torch.nn.Linear]
+    assert linears and all(m.forward.__func__ is _onednn_forward for m in linears)
+    ids = renderer.render_chat(QUESTION)
+    onednn = text_of(generate(hf_engine, ids, temperature=0, max_tokens=32))
+    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), hf_cpu_linear="torch"))
     run(engine.start())
     try:
-        linears = [m for m in engine._model.modules() if type(m) is torch.nn.Linear]
-        assert linears and all(m.forward.__func__ is _onednn_forward for m in linears)
-        ids = renderer.render_chat(QUESTION)
-        onednn = text_of(generate(engine, ids, temperature=0, max_tokens=32))
+        assert not any(getattr(m.forward, "__func__", None) is _onednn_forward for m in engine._model.modules())
+        assert text_of(generate(engine, ids, temperature=0, max_tokens=32)) == onednn
     finally:
         run(engine.shutdown())
-    assert onednn == text_of(generate(hf_engine, ids, temperature=0, max_tokens=32))
     assert "Paris" in onednn

@@ -9,7 +9,8 @@ import torch
 
 from engines.base import SamplingParams
 from engines.config import EngineConfig
-from engines.huggingface.linear import onednn_linear_available, use_onednn_linear
+from engines.huggingface import linear
+from engines.huggingface.linear import apply_cpu_linear, onednn_linear_available, use_onednn_linear
 from engines.huggingface.scheduler import BatchRequest, ContinuousBatcher
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this PyTorch build has no oneDNN")
@@ -87,6 +88,18 @@ def test_what_onednn_cannot_take_falls_back_to_pytorch():
 
 def test_the_setting_is_checked():
     assert EngineConfig.from_dict({"hf_cpu_linear": "onednn"}).hf.cpu_linear == "onednn"
-    assert EngineConfig.from_dict({}).hf.cpu_linear == "torch"
+    assert EngineConfig.from_dict({"hf_cpu_linear": "torch"}).hf.cpu_linear == "torch"
+    assert EngineConfig.from_dict({}).hf.cpu_linear == "auto"
     with pytest.raises(Exception, match="cpu_linear"):
         EngineConfig.from_dict({"hf_cpu_linear": "mkl"})
+
+
+def test_auto_uses_onednn_where_the_build_has_it_and_falls_back_where_not(monkeypatch):
+    assert apply_cpu_linear(_llama(), "auto") == 2 * 7 + 1
+    assert apply_cpu_linear(_llama(), "torch") == 0
+    monkeypatch.setattr(linear, "onednn_linear_available", lambda: False)
+    model = _llama()
+    assert apply_cpu_linear(model, "auto") == 0
+    assert all(m.forward.__func__ is torch.nn.Linear.forward for m in model.modules() if type(m) is torch.nn.Linear)
+    with pytest.raises(RuntimeError, match="no oneDNN"):
+        apply_cpu_linear(model, "onednn")

@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--transformers-sdpa", action="store_true",
                         help="keep transformers' sdpa attention (copies the KV cache per step for grouped "
                              "heads) instead of the engine's lmserve_sdpa")
-    parser.add_argument("--cpu-linear", choices=("torch", "onednn"), default="torch",
+    parser.add_argument("--cpu-linear", choices=("torch", "onednn"), default="onednn",
                         help="the engine's hf_cpu_linear: PyTorch's MKL GEMM or oneDNN for the linear layers")
     args = parser.parse_args()
 

@@ -208,11 +208,11 @@ class HuggingFaceEngine(Engine):
         except Exception as exc:
             raise ModelLoadError(f"could not load model from {path!r}: {type(exc).__name__}: {exc}") from exc
         use_gqa_attention(model)  # no KV cache copies per step on CPU (engines/huggingface/attention.py)
-        if self.config.hf.cpu_linear == "onednn" and device == "cpu":
-            from engines.huggingface.linear import use_onednn_linear
+        if device == "cpu":
+            from engines.huggingface.linear import apply_cpu_linear
 
             try:
-                logger.info("hf_cpu_linear=onednn: %d linear layers run on oneDNN", use_onednn_linear(model))
+                apply_cpu_linear(model, self.config.hf.cpu_linear)
             except RuntimeError as exc:
                 raise ModelLoadError(str(exc)) from exc
         model = self._load_adapters(model)

@@ -1,4 +1,5 @@
-"""oneDNN for the huggingface backend's linear layers on CPU (`hf_cpu_linear: onednn`).
+"""oneDNN for the huggingface backend's linear layers on CPU (`hf_cpu_linear`: `auto`, the default,
+or `onednn`).
 
 PyTorch runs `nn.Linear` on CPU as an MKL GEMM. For the few rows of a decode step (a GEMM with
 M = rows, weights read once from memory) oneDNN's matmul, which PyTorch ships as
@@ -52,4 +53,24 @@ def use_onednn_linear(model: Any) -> int:
                 and module.weight.dtype in (torch.float32, torch.bfloat16)):
             module.forward = types.MethodType(_onednn_forward, module)
             count += 1
+    return count
+
+
+def apply_cpu_linear(model: Any, setting: str) -> int:
+    """Apply `hf_cpu_linear` to a model on the CPU; returns how many linear layers run on oneDNN.
+
+    Args:
+        setting: `torch` (leave PyTorch's GEMM), `onednn` (oneDNN, required) or `auto` (oneDNN
+            where this PyTorch build has it, else PyTorch's GEMM, logged).
+
+    Raises:
+        RuntimeError: `onednn` on a PyTorch build without oneDNN.
+    """
+    if setting == "torch":
+        return 0
+    if setting == "auto" and not onednn_linear_available():
+        logger.info("hf_cpu_linear=auto: this PyTorch build has no oneDNN; linear layers stay on PyTorch's GEMM")
+        return 0
+    count = use_onednn_linear(model)
+    logger.info("hf_cpu_linear=%s: %d linear layers run on oneDNN", setting, count)
     return count
