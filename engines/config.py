@@ -134,6 +134,12 @@ class HuggingfaceArgs(BackendArgs):
         "recently used first out. -1 = the KV that fits in 10 % of the memory (RAM on CPU, the GPU's free "
         "memory after loading on CUDA); 0 = off. Off for models with sliding-window or recurrent cache layers, "
         "for requests with images or `prompt_logprobs`, and with `use_kv_cache: false`.")
+    cascade_attention: bool = Field(
+        True, description="Decode steps of rows that start with the same cached prefix (a shared system prompt, "
+        "the `n` choices of one prompt) keep that prefix's KV once and attend to it for all of them in one matrix "
+        "product, merged with each row's own columns (cascade attention, as vLLM's; false = vLLM's "
+        "--disable-cascade-attn). CPU, models on the engine's sdpa attention, with the prefix cache on; prefixes "
+        "of 128 tokens or more.")
     cpu_linear: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="On CPU, what runs the model's plain float32/bfloat16 linear layers: `onednn` "
         "(oneDNN's matmul, as vLLM's CPU backend; 1.4-1.7x faster decode steps measured on an AMD EPYC), `torch` "

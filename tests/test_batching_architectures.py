@@ -326,6 +326,76 @@ def test_prefix_cache_hits_give_the_same_tokens(architecture):
         assert batcher.prefix_cache is None
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_rows_sharing_a_prefix_attend_to_one_copy_of_it_and_give_the_same_tokens(architecture):
+    """Rows that start with the same 150 tokens decode with that prefix's KV kept once (cascade
+    attention, `ContinuousBatcher._share_prefixes`): three prompts and two choices of a fourth
+    prefilled together beside a prompt that shares nothing, one more joining mid-decode, rows
+    leaving at different times, and a next turn (its cached prefix written from a row that held
+    only its own columns) decoding on its own columns until a longer sibling arrives that shares
+    them: token for token what `generate` gives each alone."""
+    model = _model(architecture)
+    shared = _prompt(100, 150)
+    specs: dict[str, tuple[list[int], int]] = {
+        "a": (shared + _prompt(101, 10), 12), "b": (shared + _prompt(102, 30), 4), "c": (_prompt(103, 40), 8),
+        "d": (shared + _prompt(104, 3), 10), "e": (shared + _prompt(105, 20), 6)}
+
+    def schedule(client):
+        for name in "abcd":
+            client.submit(name, *specs[name], n=2 if name == "d" else 1)
+        client.wait_for_tokens("a", 3)
+        client.submit("e", *specs["e"])
+        client.wait()
+        turn = specs["a"][0] + client.tokens["a"][0][:-1] + _prompt(106, 5)
+        specs["f"], specs["g"] = (turn, 16), (turn + _prompt(107, 40), 5)
+        client.submit("f", *specs["f"])
+        client.wait_for_tokens("f", 2)
+        client.submit("g", *specs["g"])  # f, running on its own columns, moves onto the prefix it shares with g
+
+    client = _run(model, schedule, prefix_cache_tokens=10_000, chunked_prefill_size=128)
+    found = [(name, index) for name, (prompt, max_tokens) in specs.items()
+             for index, tokens in client.tokens[name].items() if tokens != _reference(model, prompt, max_tokens)]
+    assert found == []
+    batcher = client.batcher
+    if architecture in PREFIX_CACHED:
+        # a, b, d's two rows, then e; then g and f (moved while it decodes)
+        assert batcher.shared_prefix_rows == 7
+    else:
+        assert batcher.shared_prefix_rows == 0
+    assert batcher._shared == [] and not batcher._rows
+
+
+def test_a_model_whose_attention_ignores_shared_prefixes_fails_that_step_and_turns_them_off():
+    """Should a model's attention layers not take the shared prefixes (an attention function other
+    than the engine's), the decode step that passed them fails its requests instead of answering
+    without the prefix, and later rows keep their prefixes in their own columns."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMALL), dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+    shared = _prompt(110, 150)
+    prompts = {"a": shared + _prompt(111, 5), "b": shared + _prompt(112, 9)}
+    batcher = ContinuousBatcher(model, prefix_cache_tokens=10_000)
+    assert not batcher.share_prefixes  # not the engine's attention
+    batcher.share_prefixes = True
+    client = _Client(batcher)
+    batcher.start()
+    try:
+        for name, prompt in prompts.items():
+            client.submit(name, prompt, 4)
+        for event in client.finished.values():
+            assert event.wait(60)
+        assert len(client.errors) == 2 and "took the shared prefixes" in str(client.errors[0])
+        assert not batcher.share_prefixes
+        client.errors.clear()
+        for name, prompt in prompts.items():
+            client.submit(name, prompt, 4)
+        client.wait()
+    finally:
+        batcher.stop()
+    assert {name: client.tokens[name][0] for name in prompts} == {
+        name: _reference(model, prompt, 4) for name, prompt in prompts.items()}
+
+
 def test_prefix_cache_keeps_adapters_apart():
     """A prompt cached without an adapter is not a hit for the same prompt with one (its KV
     differs: LoRA on the key and value projections), and the other way round; each answer

@@ -13,6 +13,10 @@ to the first length, and the share of the step that torch's profiler puts in att
 (`scaled_dot_product_attention` and what it calls), matrix products (`linear`, `matmul`) and the
 rest. The model's attention is the engine's (`lmserve_sdpa`, engines/huggingface/attention.py) unless
 `--transformers-sdpa`. The model is the default (SmolLM2-135M-Instruct) in `--dtype`.
+
+`--cascade N`: the rows share their first `context - N` positions, kept once (a shared system
+prompt under `hf_cascade_attention`): each row's cache holds its last N columns only, and the step
+attends to the shared prefix through `shared_prefixes`, as the batcher's decode steps do.
 """
 
 from __future__ import annotations
@@ -34,13 +38,15 @@ def main() -> None:
                              "heads) instead of the engine's lmserve_sdpa")
     parser.add_argument("--cpu-linear", choices=("torch", "onednn"), default="onednn",
                         help="the engine's hf_cpu_linear: PyTorch's MKL GEMM or oneDNN for the linear layers")
+    parser.add_argument("--cascade", type=int, default=0, metavar="N",
+                        help="rows share all but their last N positions, kept once (hf_cascade_attention)")
     args = parser.parse_args()
 
     import torch
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from engines.huggingface.attention import use_gqa_attention
+    from engines.huggingface.attention import SharedPrefix, SharedPrefixes, use_gqa_attention
     from engines.huggingface.kv_cache import grow_in_place
     from engines.model_source import ensure_embedded_model
 
@@ -58,27 +64,35 @@ def main() -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rows = args.rows
     print(f"{type(model).__name__} {args.dtype}, {rows} rows, {args.threads} torch threads, "
-          f"attention {model.config._attn_implementation}, linear layers: {args.cpu_linear}")
+          f"attention {model.config._attn_implementation}, linear layers: {args.cpu_linear}"
+          + (f", cascade: all but the last {args.cascade} positions shared" if args.cascade else ""))
     print("| context | step ms (median) | tokens/s | vs first | attention | matmul | other |")
     print("|--:|--:|--:|--:|--:|--:|--:|")
     first = None
     for context in (int(c) for c in args.contexts.split(",")):
+        shared, own = (context - args.cascade, args.cascade) if 0 < args.cascade < context else (0, context)
         cache = DynamicCache(config=config)
         for layer_idx in range(config.num_hidden_layers):
-            shape = (rows, kv_heads, context, head_dim)
+            shape = (rows, kv_heads, own, head_dim)
             cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), layer_idx)
         grow_in_place(cache)  # as the batcher does after a prefill
-        mask = torch.ones((rows, context), dtype=torch.long)
+        mask = torch.ones((rows, own), dtype=torch.long)
         mask[::2, :8] = 0  # left padding, as rows of different prompt lengths have: the mask is materialized
         tokens = torch.randint(10, config.vocab_size, (rows,))
+        extra = {}
+        if shared:
+            kv = [(torch.randn(kv_heads, shared, head_dim, dtype=dtype), torch.randn(kv_heads, shared, head_dim,
+                                                                                  dtype=dtype))
+                  for _ in range(config.num_hidden_layers)]
+            extra = {"shared_prefixes": SharedPrefixes([SharedPrefix(torch.arange(rows), kv)])}
 
-        def step():
+        def step(shared=shared, extra=extra):
             nonlocal mask, cache, tokens
             mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=1)
-            positions = mask.sum(-1, keepdim=True) - 1
+            positions = mask.sum(-1, keepdim=True) - 1 + shared
             with torch.inference_mode():
                 out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True)
+                            past_key_values=cache, use_cache=True, **extra)
             cache = out.past_key_values
             tokens = out.logits[:, -1, :].float().argmax(-1)
 
@@ -102,7 +116,8 @@ def _shares(prof) -> dict[str, float]:
     totals = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
     for event in prof.key_averages():
         name = event.key
-        if "scaled_dot_product" in name or "flash_attention" in name:
+        if "scaled_dot_product" in name or "flash_attention" in name or name in ("aten::index_copy_",
+                                                                                   "aten::index_select"):
             kind = "attention"
         elif name in ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear",
                       "mkldnn::_linear_pointwise"):

@@ -12,10 +12,20 @@ KV heads) in a py-spy profile. torch's CPU kernels take the mask and the grouped
 `AttentionMaskInterface`). On CPU, for attention without a position bias, it calls
 `scaled_dot_product_attention(..., enable_gqa=True)`; anything else goes to transformers' own
 `sdpa_attention_forward` unchanged.
+
+Shared prefixes (cascade attention): where several rows of a decode step start with the same
+prompt prefix (a shared system prompt, `n` choices of one prompt), the batcher keeps that prefix's
+KV once (`SharedPrefix`) instead of in every row, and passes `shared_prefixes` to the model's
+forward (transformers hands extra keyword arguments on to the attention function). Each row then
+attends to its own columns and to its prefix in two parts, merged by their log-sum-exp, as
+FlashInfer's cascade attention and vLLM's cascade attention do: the prefix part is one matrix
+product for all of its rows (their queries stacked), so the prefix's keys and values are read
+from memory once per step instead of once per row.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +50,9 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     Returns:
         (output (batch, q_len, heads, head_dim), None), as `sdpa_attention_forward`.
     """
+    shared = kwargs.get("shared_prefixes")
+    if shared is not None:
+        return cascade_attention_forward(module, query, key, value, attention_mask, scaling, shared)
     groups = getattr(module, "num_key_value_groups", 1)
     # Left to transformers: other devices, plain multi-head attention, position biases, paged
     # caches, and a causal prefill over a longer key (its static-cache case).
@@ -55,6 +68,80 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
         enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
+
+
+@dataclass(eq=False)
+class SharedPrefix:
+    """A prompt prefix whose KV rows of the decode batch share: `kv` per layer (keys, values),
+    each (kv_heads, length, head_dim); `rows` (n,) the batch rows that start with it. Their own
+    cache columns hold only the tokens after it."""
+
+    rows: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class SharedPrefixes:
+    """What a decode step passes as `shared_prefixes`: the step's prefixes; `calls` counts the
+    attention layers that took them, so the caller can check every layer did."""
+
+    prefixes: list[SharedPrefix]
+    calls: int = 0
+
+
+# torch's CPU flash-attention kernel, which also returns the log-sum-exp of each query's scores:
+# (output (batch, heads, q_len, head_dim), logsumexp (batch, heads, q_len) float32).
+_flash_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, scaling: float | None,
+                              shared: SharedPrefixes) -> tuple[torch.Tensor, None]:
+    """One decode step's attention where rows share prefixes (`SharedPrefixes`).
+
+    Args:
+        query: (batch, heads, 1, head_dim).
+        key, value: (batch, kv_heads, columns, head_dim): each row's own columns.
+        attention_mask: boolean (True = attend) or additive, (batch, 1, 1, columns), or None.
+
+    Returns:
+        (output (batch, 1, heads, head_dim), None), as `sdpa_attention_forward`.
+
+    Raises:
+        ValueError: more than one query position (a prefill), or a module without `layer_idx`.
+    """
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    layer = getattr(module, "layer_idx", None)
+    if q_len != 1 or layer is None:
+        raise ValueError("shared prefixes are for decode steps of attention layers with a layer_idx")
+    shared.calls += 1
+    groups = heads // kv_heads
+    # The query heads of one KV head stacked as query positions: (batch, kv_heads, groups, head_dim).
+    q = query.reshape(batch, kv_heads, groups, head_dim)
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+        mask = mask.to(query.dtype)
+    out, lse = _flash_attention_with_lse(q, key, value, attn_mask=mask, scale=scaling)
+    out, lse = out.float() if out.dtype != torch.float32 else out.clone(), lse.unsqueeze(-1)
+    for prefix in shared.prefixes:
+        rows = prefix.rows
+        n = rows.shape[0]
+        keys, values = prefix.kv[layer]
+        # Every query of these rows at once: (1, kv_heads, n x groups, head_dim).
+        stacked = q.index_select(0, rows).transpose(0, 1).reshape(1, kv_heads, n * groups, head_dim)
+        p_out, p_lse = _flash_attention_with_lse(stacked, keys[None], values[None], scale=scaling)
+        p_out = p_out.float().reshape(kv_heads, n, groups, head_dim).transpose(0, 1)
+        p_lse = p_lse.reshape(kv_heads, n, groups, 1).transpose(0, 1)
+        o_lse = lse.index_select(0, rows)
+        top = torch.maximum(o_lse, p_lse)
+        w_own, w_prefix = torch.exp(o_lse - top), torch.exp(p_lse - top)
+        merged = (out.index_select(0, rows) * w_own + p_out * w_prefix) / (w_own + w_prefix)
+        out.index_copy_(0, rows, merged)
+    return out.to(query.dtype).reshape(batch, 1, heads, head_dim), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_gqa_attention_forward)

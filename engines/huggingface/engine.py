@@ -146,7 +146,8 @@ class HuggingFaceEngine(Engine):
                                           batch_wait_timeout_s=self.config.hf.batch_wait_timeout_ms / 1e3,
                                           batch_wait_gap_s=self.config.hf.batch_wait_gap_ms / 1e3,
                                           chunked_prefill_size=self.config.hf.chunked_prefill_size,
-                                          prefix_cache_tokens=self._prefix_cache_tokens())
+                                          prefix_cache_tokens=self._prefix_cache_tokens(),
+                                          cascade_attention=self.config.hf.cascade_attention)
         self._batcher.start()
         if self.config.loads_adapters_at_run_time:
             self._dynamic_adapters = self._new_dynamic_adapters()

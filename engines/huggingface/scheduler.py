@@ -73,6 +73,7 @@ from engines.huggingface.kv_cache import (
     trim_cache_columns,
 )
 from engines.huggingface.adapters import PEFT_BASE
+from engines.huggingface.attention import ATTN_IMPLEMENTATION, SharedPrefix, SharedPrefixes
 from engines.huggingface.lora_batch import adapter_rows, lora_rows_supported
 from engines.huggingface.prefix_cache import PrefixCache
 from engines.huggingface.sampling import BatchSampler
@@ -139,6 +140,11 @@ class _Row:
     # multimodal rotary positions (Qwen2-VL and kin): the row's next position is its number of
     # tokens plus this (negative after an image: its tokens share positions); 0 for text
     rope_delta: int = 0
+    # the shared prefix whose KV the row attends to instead of holding it (`_share_prefixes`):
+    # its cache columns then hold the tokens after it only
+    prefix: _SharedPrefixKV | None = None
+    # the chained hashes of the prompt's whole blocks, less its last token (`_share_prefixes`)
+    hashes: list[bytes] | None = None
 
     @property
     def done(self) -> bool:
@@ -166,6 +172,25 @@ class _Prefill:
     def width(self) -> int:
         return self.ids.shape[1]
 
+
+@dataclass(eq=False)
+class _SharedPrefixKV:
+    """A prompt prefix the batch keeps once for the rows that start with it (`_Row.prefix`):
+    `hashes`, its blocks' chained hashes (`PrefixCache.block_hashes`, with the namespace); `kv`
+    per layer (keys, values), each (kv_heads, length, head_dim)."""
+
+    hashes: list[bytes]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def length(self) -> int:
+        return self.kv[0][0].shape[1]
+
+
+#: Shared prefixes (`ContinuousBatcher._share_prefixes`): the fewest tokens worth sharing, and
+#: the most prefixes a batch keeps (each costs a small attention call per layer and step).
+MIN_SHARED_PREFIX_TOKENS = 128
+MAX_SHARED_PREFIXES = 8
 
 #: What one more prefill pass costs, in rows x prompt tokens: splitting an admission
 #: (`_group_by_uncached_length`) must save more than this.
@@ -199,6 +224,8 @@ class ContinuousBatcher:
             models whose cache holds keys and values of full attention at every layer: a
             sliding-window layer keeps only its last columns and a convolution or recurrent state
             is not positional, so for those it is off (said once in the log).
+        cascade_attention: rows that start with the same cached prefix keep its KV once in
+            decode steps (`_share_prefixes`); needs the prefix cache, the CPU and `lmserve_sdpa`.
 
     Admission window: requests that a burst of clients sends at once reach the replica spread
     over 8-25 ms (measured at 16 streams: HTTP, the ingress, then the replica, one request after
@@ -222,7 +249,7 @@ class ContinuousBatcher:
 
     def __init__(self, model: Any, max_num_seqs: int = 32, max_batch_tokens: int = 65536,
                  use_kv_cache: bool = True, batch_wait_timeout_s: float = 0.0, batch_wait_gap_s: float = 0.0,
-                 chunked_prefill_size: int = -1, prefix_cache_tokens: int = 0):
+                 chunked_prefill_size: int = -1, prefix_cache_tokens: int = 0, cascade_attention: bool = True):
         self.model = model
         self.device = model.device
         # A peft model takes one adapter name per row ("__base__" = no adapter).
@@ -246,6 +273,14 @@ class ContinuousBatcher:
         # cache showed only full-attention layers (`_note_prefix_cache`).
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and use_kv_cache else None
         self._prefix_cache_usable: bool | None = None
+        # Rows that start with the same cached prefix share its KV in decode steps (cascade
+        # attention, `_share_prefixes`), where the prefix cache is usable and the model's
+        # attention is lmserve_sdpa on CPU.
+        self.share_prefixes = (cascade_attention and self.prefix_cache is not None and self.device.type == "cpu"
+                               and getattr(getattr(model, "config", None), "_attn_implementation", None)
+                               == ATTN_IMPLEMENTATION)
+        self._shared: list[_SharedPrefixKV] = []  # the prefixes the batch's rows share now
+        self.shared_prefix_rows = 0  # rows that attended to a shared prefix instead of holding it
         self._prefilling: _Prefill | None = None  # a chunked prefill in progress
         self._waiting: deque[BatchRequest] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # `call_between_steps`
@@ -357,8 +392,10 @@ class ContinuousBatcher:
         decoding rows x the batch's padded width, plus the prompts being prefilled x the columns
         of them already in their cache. Safe to read from any thread (a gauge's value: it may be
         a step old)."""
-        mask, job = self._mask, self._prefilling  # each read once: the worker thread replaces them
+        # each read once: the worker thread replaces them
+        mask, job, shared = self._mask, self._prefilling, self._shared
         held = mask.shape[0] * mask.shape[1] if mask is not None else 0
+        held += sum(prefix.length for prefix in shared)
         if job is not None:
             held += job.ids.shape[0] * job.done
         return held
@@ -408,7 +445,7 @@ class ContinuousBatcher:
                 for request in failed:
                     request.emit(exc)
                 self._rows, self._cache, self._mask, self._next_tokens = [], None, None, None
-                self._prefilling = None
+                self._prefilling, self._shared = None, []
         with self._wake:
             pending = list(self._waiting) + self._admitted_requests()
             self._waiting.clear()
@@ -416,6 +453,7 @@ class ContinuousBatcher:
         for _, future in calls:
             future.cancel()
         self._rows, self._cache, self._mask, self._next_tokens, self._prefilling = [], None, None, None, None
+        self._shared = []
         for request in pending:
             request.emit(self._stopped_error())
 
@@ -546,7 +584,7 @@ class ContinuousBatcher:
             chunk = self._chunk_width(admitted) or width
             steps = -(-width // chunk)
             rows += [(len(r.prompt_ids), steps + r.max_tokens) for r in admitted for _ in range(r.params.n)]
-        return peak_kv_positions(rows, trimmed=self.joins_mid_decode)
+        return peak_kv_positions(rows, trimmed=self.joins_mid_decode) + sum(p.length for p in self._shared)
 
     def _cache_finished_rows(self) -> None:
         """Add the KV of rows that finished (prompt and answer, less the last token, which was
@@ -558,8 +596,12 @@ class ContinuousBatcher:
             if not row.finished or namespace is None or not row.generated:
                 continue
             tokens = row.request.prompt_ids + row.generated[:-1]
-            self.prefix_cache.insert(tokens, functools.partial(self._row_kv, self._cache, i, width - len(tokens)),
-                                     namespace)
+            if row.prefix is None:
+                kv = functools.partial(self._row_kv, self._cache, i, width - len(tokens))
+            else:
+                kv = functools.partial(self._shared_row_kv, self._cache, i, row.prefix,
+                                       width - (len(tokens) - row.prefix.length))
+            self.prefix_cache.insert(tokens, kv, namespace)
 
     def _drop_done_rows(self) -> None:
         keep = [i for i, r in enumerate(self._rows) if not r.done]
@@ -568,6 +610,9 @@ class ContinuousBatcher:
         if self.prefix_cache is not None and self._cache is not None:
             self._cache_finished_rows()
         self._rows = [self._rows[i] for i in keep]
+        if self._shared:
+            held = {id(row.prefix) for row in self._rows}
+            self._shared = [prefix for prefix in self._shared if id(prefix) in held]
         if not self._rows:
             self._cache, self._mask, self._next_tokens = None, None, None
             return
@@ -576,8 +621,11 @@ class ContinuousBatcher:
         self._next_tokens = self._next_tokens.index_select(0, index)
         if self._cache is not None:
             select_cache_rows(self._cache, index)
-        # Columns that hold padding for every remaining row can go (only where every cache
-        # layer can be trimmed: its columns must stay those of the mask).
+        self._trim_leading_padding()
+
+    def _trim_leading_padding(self) -> None:
+        """Drop the columns that hold padding for every row (only where every cache layer can be
+        trimmed: its columns must stay those of the mask)."""
         first = int(self._mask.any(dim=0).nonzero()[0])
         if first > 0 and self.joins_mid_decode:
             self._mask = self._mask[:, first:]
@@ -695,6 +743,107 @@ class ContinuousBatcher:
         return [(layer.keys[row, :, first + start:first + end], layer.values[row, :, first + start:first + end])
                 for layer in cache.layers]
 
+    @staticmethod
+    def _shared_row_kv(cache: Any, row: int, prefix: _SharedPrefixKV, first: int, start: int, end: int) -> list:
+        """KV of the tokens `[start, end)` of row `row`, which starts with the shared `prefix` and
+        holds the tokens after it from column `first`, per layer."""
+        cut = prefix.length
+        kv = []
+        for (prefix_keys, prefix_values), layer in zip(prefix.kv, cache.layers):
+            keys, values = [], []
+            if start < cut:
+                keys.append(prefix_keys[:, start:min(end, cut)])
+                values.append(prefix_values[:, start:min(end, cut)])
+            if end > cut:
+                own = slice(first + max(start, cut) - cut, first + end - cut)
+                keys.append(layer.keys[row, :, own])
+                values.append(layer.values[row, :, own])
+            kv.append((torch.cat(keys, dim=1), torch.cat(values, dim=1)))
+        return kv
+
+    def _share_prefixes(self, job: _Prefill, new_rows: list[_Row]) -> None:
+        """Pick the shared prefix each new row (`new_rows`, the rows of `job`'s prompts) will
+        attend to in decode steps, after the last chunk of the prefill, and take its columns out
+        of the rows that attend to it.
+
+        A prompt joins a prefix the batch shares already when it starts with it. Otherwise the
+        prompts of `job` and the running rows (not on a shared prefix) that start with the same
+        `MIN_SHARED_PREFIX_TOKENS` or more (whole blocks, less each prompt's last token) share their
+        longest common prefix, if they are two rows or more, one of them new (a prompt's `n` rows
+        count): its KV is taken from a new prompt's columns. A row's columns of its prefix are
+        masked, and leading columns that then hold no token for any row are trimmed (from
+        `job.cache` and `job.mask`, and from the batch's): attention reads every column of the
+        padded batch, so the prefix is read once per step where it is kept once (cascade attention,
+        engines/huggingface/attention.py). A row alone on a prefix gains nothing and costs a call
+        per layer, so none is made for one row.
+        """
+        self._shared = [p for p in self._shared if any(row.prefix is p for row in self._rows)]
+        if not (self.share_prefixes and self._prefix_cache_usable and self.prefix_cache is not None
+                and self.joins_mid_decode and self.use_kv_cache):
+            return
+        block = self.prefix_cache.block_tokens
+        hashes: list[list[bytes]] = []
+        for request in job.requests:
+            namespace = self._cache_namespace(request)
+            usable = len(request.prompt_ids) - 1
+            hashes.append([] if namespace is None else
+                          self.prefix_cache.block_hashes(request.prompt_ids[:usable - usable % block], namespace))
+        rows_of = [[row for row in new_rows if row.request is request] for request in job.requests]
+        picks: list[_SharedPrefixKV | None] = [None] * len(job.requests)
+        for i, h in enumerate(hashes):
+            fits = [p for p in self._shared if len(p.hashes) <= len(h) and h[len(p.hashes) - 1] == p.hashes[-1]]
+            picks[i] = max(fits, key=lambda p: len(p.hashes), default=None)
+        least = -(-MIN_SHARED_PREFIX_TOKENS // block)
+        buckets: dict[bytes, tuple[list[int], list[int]]] = {}  # (job prompts, running rows)
+        for i, h in enumerate(hashes):
+            if picks[i] is None and len(h) >= least:
+                buckets.setdefault(h[least - 1], ([], []))[0].append(i)
+        for r, row in enumerate(self._rows):
+            if row.prefix is None and row.hashes and len(row.hashes) >= least and row.hashes[least - 1] in buckets:
+                buckets[row.hashes[least - 1]][1].append(r)
+        width = job.mask.shape[1]
+        adopted = False
+        for prompts, running in buckets.values():
+            if (sum(job.requests[i].params.n for i in prompts) + len(running) < 2
+                    or len(self._shared) >= MAX_SHARED_PREFIXES):
+                continue
+            head = hashes[prompts[0]]
+            others = [hashes[i] for i in prompts[1:]] + [self._rows[r].hashes for r in running]
+            common = min([len(head)] + [len(h) for h in others])
+            for h in others:
+                common = next((k for k in range(least, common) if h[k] != head[k]), common)
+            first = width - len(job.requests[prompts[0]].prompt_ids)
+            columns = slice(first, first + common * block)
+            prefix = _SharedPrefixKV(head[:common], [(layer.keys[prompts[0], :, columns].clone(),
+                                                      layer.values[prompts[0], :, columns].clone())
+                                                     for layer in job.cache.layers])
+            self._shared.append(prefix)
+            for i in prompts:
+                picks[i] = prefix
+            for r in running:
+                row = self._rows[r]
+                start = int(self._mask[r].argmax())  # its first token's column
+                self._mask[r, start:start + prefix.length] = 0
+                row.prefix, adopted = prefix, True
+                self.shared_prefix_rows += 1
+        if adopted:
+            self._trim_leading_padding()
+        for i, rows in enumerate(rows_of):
+            for row in rows:
+                row.prefix, row.hashes = picks[i], hashes[i]
+                self.shared_prefix_rows += picks[i] is not None
+        if not any(picks):
+            return
+        mask = job.mask.clone()
+        for i, (request, prefix) in enumerate(zip(job.requests, picks)):
+            if prefix is not None:
+                first = width - len(request.prompt_ids)
+                mask[i, first:first + prefix.length] = 0
+        keep_from = int(mask.any(dim=0).nonzero()[0])
+        job.mask = mask[:, keep_from:]
+        if keep_from:
+            trim_cache_columns(job.cache, keep_from, width - keep_from)
+
     def _chunk_columns(self, job: _Prefill) -> int:
         """How many of the job's remaining columns this step's forward pass takes."""
         remaining = job.width - job.done
@@ -775,6 +924,8 @@ class ContinuousBatcher:
             if self.prefix_cache is not None:
                 self._cache_prompts(job)
         if self.use_kv_cache:
+            self._share_prefixes(job, new_rows)
+        if self.use_kv_cache:
             new_cache = job.cache
             grow_in_place(new_cache)
             if len(new_rows) != len(admitted):
@@ -838,9 +989,20 @@ class ContinuousBatcher:
             positions = (mask.sum(-1, keepdim=True) - 1)
             if any(r.rope_delta for r in self._rows):
                 positions = positions + torch.tensor([[r.rope_delta] for r in self._rows], device=self.device)
+            shared = self._shared_prefixes()
+            if shared is not None:
+                positions = positions + torch.tensor([[r.prefix.length if r.prefix else 0] for r in self._rows],
+                                                     device=self.device)
             out = self._forward([r.request for r in self._rows], input_ids=self._next_tokens[:, None],
                                 attention_mask=mask, position_ids=positions, past_key_values=self._cache,
-                                use_cache=True)
+                                use_cache=True, **({"shared_prefixes": shared} if shared is not None else {}))
+            if shared is not None and shared.calls != len(self._cache.layers):
+                # Some attention layer did not take them (it attended without the prefix): this
+                # step fails, and rows keep their prefixes in their own columns from now on.
+                self.share_prefixes = False
+                raise RuntimeError(f"{shared.calls} of {len(self._cache.layers)} attention layers of "
+                                   f"{type(self.model).__name__} took the shared prefixes; cascade attention "
+                                   "is off from now on")
             self._cache, self._mask = out.past_key_values, mask
             logits = out.logits[:, -1, :].float()
         else:
@@ -851,6 +1013,17 @@ class ContinuousBatcher:
         self._next_tokens = tokens
         for row, token, lp in zip(self._rows, tokens.tolist(), logprobs):
             self._record(row, token, events, lp)
+
+    def _shared_prefixes(self) -> SharedPrefixes | None:
+        """The shared prefixes of this decode step's rows, for the attention function."""
+        if not self._shared:
+            return None
+        rows: dict[int, list[int]] = {}
+        for i, row in enumerate(self._rows):
+            if row.prefix is not None:
+                rows.setdefault(id(row.prefix), []).append(i)
+        return SharedPrefixes([SharedPrefix(torch.tensor(rows[id(p)], device=self.device), p.kv)
+                               for p in self._shared if id(p) in rows])
 
     def _full_forward(self, row: _Row) -> torch.Tensor:
         ids = torch.tensor([row.request.prompt_ids + row.generated], device=self.device)
