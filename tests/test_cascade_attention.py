@@ -1,14 +1,23 @@
-"""Cascade attention over shared prefixes (engines/huggingface/attention.py,
-`cascade_attention_forward`): each row's output equals plain attention over its prefix's keys and
-values followed by its own unmasked columns, for rows on different prefixes, a row on none, grouped
-query heads and left padding."""
+"""The engine's attention (engines/huggingface/attention.py): a decode step's grouped-query
+attention equals transformers' own sdpa attention, with a boolean, an additive or no mask, in
+float32 and bfloat16; and cascade attention over shared prefixes (`cascade_attention_forward`):
+each row's output equals plain attention over its prefix's keys and values followed by its own
+unmasked columns, for rows on different prefixes, a row on none, grouped query heads and left
+padding."""
 
 import types
 
 import pytest
 import torch
 
-from engines.huggingface.attention import SharedPrefix, SharedPrefixes, cascade_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from engines.huggingface.attention import (
+    SharedPrefix,
+    SharedPrefixes,
+    cascade_attention_forward,
+    sdpa_gqa_attention_forward,
+)
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
 
@@ -69,3 +78,22 @@ def test_a_prefill_or_a_module_without_a_layer_index_is_refused():
                                   None, None, shared)
     with pytest.raises(ValueError, match="layer_idx"):
         cascade_attention_forward(types.SimpleNamespace(), query, key, value, mask, None, shared)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "none"])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_grouped_query_attention_is_transformers_sdpa(dtype, tolerance, mask_kind, q_len):
+    query, key, value, mask, _, _, _ = _case(dtype)
+    query = query.expand(-1, -1, q_len, -1).contiguous()
+    if mask_kind == "additive":
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+    elif mask_kind == "none":
+        mask = None
+    if mask is not None:
+        mask = mask.expand(-1, -1, q_len, -1)
+    module = types.SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, is_causal=True, training=False)
+    ours, _ = sdpa_gqa_attention_forward(module, query, key, value, mask)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask)
+    assert ours.shape == theirs.shape == (4, q_len, HEADS, DIM) and ours.dtype == dtype
+    assert torch.allclose(ours.float(), theirs.float(), atol=tolerance, rtol=tolerance)

@@ -10,8 +10,9 @@ KV heads) in a py-spy profile. torch's CPU kernels take the mask and the grouped
 
 `lmserve_sdpa` is registered with transformers' `AttentionInterface` (and the `sdpa` mask with
 `AttentionMaskInterface`). On CPU, for attention without a position bias, it calls
-`scaled_dot_product_attention(..., enable_gqa=True)`; anything else goes to transformers' own
-`sdpa_attention_forward` unchanged.
+`scaled_dot_product_attention(..., enable_gqa=True)`, except a float32 decode step (one query
+position), which runs as two matrix products with each KV head's query heads stacked
+(`decode_attention`); anything else goes to transformers' own `sdpa_attention_forward` unchanged.
 
 Shared prefixes (cascade attention): where several rows of a decode step start with the same
 prompt prefix (a shared system prompt, `n` choices of one prompt), the batcher keeps that prefix's
@@ -61,6 +62,11 @@ def sdpa_gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
             or (attention_mask is None and query.shape[2] > 1 and key.shape[2] != query.shape[2])):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if query.shape[2] == 1 and query.dtype == torch.float32:
+        batch, heads, _, head_dim = query.shape
+        out, _ = decode_attention(query.reshape(batch, key.shape[1], groups, head_dim), key, value, attention_mask,
+                                  scaling)
+        return out.reshape(batch, 1, heads, head_dim), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # As sdpa_attention_forward: the causal flag only for a prefill without a mask.
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
@@ -94,6 +100,42 @@ class SharedPrefixes:
 _flash_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step's attention with each KV head's query heads stacked as query positions.
+
+    Args:
+        query: (batch, kv_heads, groups, head_dim).
+        key, value: (batch, kv_heads, columns, head_dim).
+        mask: boolean (True = attend) or additive, broadcastable to (batch, 1, 1, columns), or None.
+
+    Returns:
+        output (batch, kv_heads, groups, head_dim) in float32, and the log-sum-exp of each query's
+        scores (batch, kv_heads, groups, 1), float32.
+
+    In float32 as two matrix products and a softmax: with one query position per row this read
+    the cache faster than torch's CPU kernels (30 layers of 32 rows x 1,450 positions: 100 ms
+    against 167 for `scaled_dot_product_attention(enable_gqa=True)` and 125 for its flash kernel
+    on the stacked heads, AMD EPYC). Other dtypes go to the flash kernel, which sums in float32.
+    """
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if query.dtype != torch.float32:
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+        if mask is not None:
+            mask = mask.to(query.dtype)
+        out, lse = _flash_attention_with_lse(query, key, value, attn_mask=mask, scale=scale)
+        return out.float(), lse.unsqueeze(-1)
+    scores = torch.matmul(query * scale, key.transpose(-1, -2))
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores.add_(mask)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.matmul(scores.sub_(lse).exp_(), value), lse
+
+
 def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attention_mask: torch.Tensor | None, scaling: float | None,
                               shared: SharedPrefixes) -> tuple[torch.Tensor, None]:
@@ -119,14 +161,7 @@ def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     groups = heads // kv_heads
     # The query heads of one KV head stacked as query positions: (batch, kv_heads, groups, head_dim).
     q = query.reshape(batch, kv_heads, groups, head_dim)
-    mask = None
-    if attention_mask is not None:
-        mask = attention_mask
-        if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
-        mask = mask.to(query.dtype)
-    out, lse = _flash_attention_with_lse(q, key, value, attn_mask=mask, scale=scaling)
-    out, lse = out.float() if out.dtype != torch.float32 else out.clone(), lse.unsqueeze(-1)
+    out, lse = decode_attention(q, key, value, attention_mask, scaling)
     for prefix in shared.prefixes:
         rows = prefix.rows
         n = rows.shape[0]
