@@ -752,3 +752,36 @@ def test_onednn_linear_layers_answer_as_pytorchs_gemm_does(model_dir, hf_engine,
     finally:
         run(engine.shutdown())
     assert "Paris" in onednn
+
+
+def test_concurrent_chats_on_one_system_prompt_share_it_and_answer_as_without(model_dir, hf_engine, renderer):
+    """Four chats on one ~400-token system prompt, sent at once: the default engine decodes them on
+    one copy of the prompt's KV (`hf_cascade_attention`), and each greedy answer is what an engine
+    with cascade attention off gives."""
+    from engines.config import EngineConfig
+    from engines.huggingface.engine import HuggingFaceEngine
+
+    system = {"role": "system", "content": " ".join(
+        f"Rule {k}: answer briefly, in plain words, and name the country of any city you mention." for k in range(20))}
+    questions = ["What is the capital of France?", "Name a large city in Japan.", "Where is Rome?",
+                 "Which country is Madrid in?"]
+    prompts = [renderer.render_chat([system, {"role": "user", "content": q}]) for q in questions]
+    assert len(prompts[0]) > 300
+
+    def answers(engine):
+        async def go():
+            requests = [GenerationRequest(f"c{k}", ids, SamplingParams(temperature=0, max_tokens=24))
+                        for k, ids in enumerate(prompts)]
+            return await asyncio.gather(*(collect(engine, r) for r in requests))
+        return [text_of(deltas) for deltas in run(go())]
+
+    before = hf_engine._batcher.shared_prefix_rows
+    shared = answers(hf_engine)
+    assert hf_engine._batcher.shared_prefix_rows - before >= 2
+    engine = HuggingFaceEngine(EngineConfig(model_name_or_path=str(model_dir), hf_cascade_attention=False))
+    run(engine.start())
+    try:
+        assert not engine._batcher.share_prefixes
+        assert answers(engine) == shared
+    finally:
+        run(engine.shutdown())
