@@ -610,9 +610,7 @@ class ContinuousBatcher:
         if self.prefix_cache is not None and self._cache is not None:
             self._cache_finished_rows()
         self._rows = [self._rows[i] for i in keep]
-        if self._shared:
-            held = {id(row.prefix) for row in self._rows}
-            self._shared = [prefix for prefix in self._shared if id(prefix) in held]
+        self._drop_unheld_prefixes()
         if not self._rows:
             self._cache, self._mask, self._next_tokens = None, None, None
             return
@@ -622,6 +620,12 @@ class ContinuousBatcher:
         if self._cache is not None:
             select_cache_rows(self._cache, index)
         self._trim_leading_padding()
+
+    def _drop_unheld_prefixes(self) -> None:
+        """Free the shared prefixes no row of the batch attends to any more."""
+        if self._shared:
+            held = {id(row.prefix) for row in self._rows}
+            self._shared = [prefix for prefix in self._shared if id(prefix) in held]
 
     def _trim_leading_padding(self) -> None:
         """Drop the columns that hold padding for every row (only where every cache layer can be
@@ -777,7 +781,7 @@ class ContinuousBatcher:
         engines/huggingface/attention.py). A row alone on a prefix gains nothing and costs a call
         per layer, so none is made for one row.
         """
-        self._shared = [p for p in self._shared if any(row.prefix is p for row in self._rows)]
+        self._drop_unheld_prefixes()
         if not (self.share_prefixes and self._prefix_cache_usable and self.prefix_cache is not None
                 and self.joins_mid_decode and self.use_kv_cache):
             return
