@@ -403,3 +403,57 @@ def test_the_engine_fails_its_health_check_once_steps_keep_failing(tmp_path, mon
             await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_prompt_s_first_token_goes_out_before_the_running_rows_next_decode_step(llama_model):
+    """A prompt that joins a running batch gets its first token as soon as its prefill's last
+    chunk is sampled: the running rows' decode step that follows (so arrivals cannot starve
+    them) does not add to its time to first token. Both still get `generate`'s greedy tokens."""
+    batcher = ContinuousBatcher(llama_model)
+    log: list[str] = []
+    decode = batcher._decode
+
+    def logged_decode(events):
+        log.append("decode")
+        decode(events)
+
+    prefill = batcher._prefill_chunk
+
+    def logged_prefill(job, events):
+        log.append("prefill")
+        prefill(job, events)
+
+    batcher._decode, batcher._prefill_chunk = logged_decode, logged_prefill
+    out = {"running": [], "joining": []}
+    finished = {name: threading.Event() for name in out}
+
+    def request(name, seed, length, max_tokens):
+        def emit(items):
+            assert not isinstance(items, BaseException), items
+            out[name].extend(token for _, token, _, _, _ in items)
+            if name == "joining":
+                log.append("joining")
+            if any(finish for _, _, finish, _, _ in items):
+                finished[name].set()
+
+        return BatchRequest(name, _prompt(seed, length), SamplingParams(temperature=0, ignore_eos=True),
+                            max_tokens, set(), torch.Generator(), emit)
+
+    batcher.start()
+    try:
+        batcher.submit(request("running", 1, 12, 60))
+        deadline = time.monotonic() + 30
+        while len(out["running"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        batcher.submit(request("joining", 2, 20, 5))
+        for name in out:
+            assert finished[name].wait(60), name
+    finally:
+        batcher.stop()
+    first = log.index("joining")
+    assert log[first - 2:first + 2] == ["decode", "prefill", "joining", "decode"]
+    assert len(out["running"]) == 60 and len(out["joining"]) == 5
+    for name, (seed, length, max_tokens) in {"running": (1, 12, 60), "joining": (2, 20, 5)}.items():
+        alone = llama_model.generate(torch.tensor([_prompt(seed, length)]), max_new_tokens=max_tokens,
+                                     min_new_tokens=max_tokens, do_sample=False)
+        assert out[name] == alone[0, length:].tolist(), name

@@ -937,6 +937,14 @@ class ContinuousBatcher:
             self._note_cache_layers(new_cache)
         tokens = self._sample(new_rows, logits)
         logprobs = self._logprobs(new_rows, logits, tokens)
+        # The prompts' first tokens go out now, not after the running rows' decode step below:
+        # that step would add its whole time to their time to first token. Until the rows are
+        # merged, `_prefilling` still holds their requests, so a failure of that step reaches them.
+        first: dict[int, tuple[BatchRequest, list[TokenEvent]]] = {}
+        for row, token, lp in zip(new_rows, tokens.tolist(), logprobs):
+            self._record(row, token, first, lp)
+        for request, items in first.values():
+            request.emit(items)
         # Decode the running rows now too, so a stream of arrivals cannot starve them.
         if self.use_kv_cache and self._has_decoding_rows():
             self._decode(events)
@@ -944,8 +952,6 @@ class ContinuousBatcher:
         # Only now: until its rows are in the batch, a failure must still reach its requests
         # (`_admitted_requests`), and `num_running` and `submit` must still see them.
         self._prefilling = None
-        for row, token, lp in zip(new_rows, tokens.tolist(), logprobs):
-            self._record(row, token, events, lp)
 
     @staticmethod
     def _prompt_logprobs(job: _Prefill, start: int, end: int, logits: torch.Tensor) -> None:
