@@ -36,8 +36,9 @@ def main() -> None:
     parser.add_argument("--transformers-sdpa", action="store_true",
                         help="keep transformers' sdpa attention (copies the KV cache per step for grouped "
                              "heads) instead of the engine's lmserve_sdpa")
-    parser.add_argument("--cpu-linear", choices=("torch", "onednn"), default="onednn",
-                        help="the engine's hf_cpu_linear: PyTorch's MKL GEMM or oneDNN for the linear layers")
+    parser.add_argument("--cpu-linear", choices=("auto", "torch", "onednn"), default="auto",
+                        help="the engine's hf_cpu_linear (default auto, as the engine): oneDNN where this "
+                             "PyTorch has it, PyTorch's MKL GEMM (torch), or oneDNN required (onednn)")
     parser.add_argument("--cascade", type=int, default=0, metavar="N",
                         help="rows share all but their last N positions, kept once (hf_cascade_attention)")
     args = parser.parse_args()
@@ -48,6 +49,7 @@ def main() -> None:
 
     from engines.huggingface.attention import SharedPrefix, SharedPrefixes, use_gqa_attention
     from engines.huggingface.kv_cache import grow_in_place
+    from engines.huggingface.linear import apply_cpu_linear
     from engines.model_source import ensure_embedded_model
 
     torch.set_num_threads(args.threads)
@@ -55,10 +57,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(ensure_embedded_model(), dtype=dtype).eval()
     if not args.transformers_sdpa:
         use_gqa_attention(model)  # as the engine loads it (engines/huggingface/engine.py)
-    if args.cpu_linear == "onednn":
-        from engines.huggingface.linear import use_onednn_linear
-
-        use_onednn_linear(model)
+    apply_cpu_linear(model, args.cpu_linear)  # as the engine loads it
     config = model.config
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
