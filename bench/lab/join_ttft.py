@@ -48,9 +48,12 @@ def main() -> None:
                 done: threading.Event | None = None) -> BatchRequest:
         ids = torch.randint(10, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
-        def emit(items):
+        def emit(items):  # on the batcher's thread: a failure is raised by the main thread
             if isinstance(items, BaseException):
-                raise SystemExit(f"{name} failed: {items}")
+                failures.append(f"{name} failed: {items!r}")
+                if done is not None:
+                    done.set()
+                return
             if first is not None and not first:
                 first.append(time.perf_counter())
             if done is not None and any(finish for _, _, finish, _, _ in items):
@@ -59,6 +62,7 @@ def main() -> None:
         return BatchRequest(name, ids, SamplingParams(temperature=0, ignore_eos=True), max_tokens, set(),
                             torch.Generator(), emit)
 
+    failures: list[str] = []
     batcher = ContinuousBatcher(model)
     batcher.start()
     try:
@@ -76,6 +80,8 @@ def main() -> None:
             batcher.submit(request(f"join{j}", 1000 + j, args.prompt, 1, first, done))
             if not done.wait(60):
                 raise SystemExit(f"join{j} got no answer in 60 s")
+            if failures:
+                raise SystemExit("; ".join(failures))
             ttfts.append((first[0] - start) * 1000)
             time.sleep(0.07)  # arrivals out of phase with the decode steps
     finally:
