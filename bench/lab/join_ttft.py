@@ -67,11 +67,14 @@ def main() -> None:
     batcher.start()
     try:
         # enough new tokens that the running rows outlast the joins (~20 steps per second)
+        started = [[] for _ in range(args.rows)]
         for i in range(args.rows):
-            batcher.submit(request(f"running{i}", i, args.context, 40 * args.joins))
-        while batcher.num_running < args.rows:
-            time.sleep(0.01)
-        time.sleep(1.0)  # past their prefill
+            batcher.submit(request(f"running{i}", i, args.context, 40 * args.joins, started[i]))
+        deadline = time.monotonic() + 300
+        while not all(started) and not failures and time.monotonic() < deadline:
+            time.sleep(0.01)  # until every running row is past its prefill
+        if not all(started) or failures:
+            raise SystemExit("; ".join(failures) or "the running requests got no first token in 300 s")
         ttfts = []
         for j in range(args.joins):
             first: list[float] = []
@@ -87,7 +90,8 @@ def main() -> None:
     finally:
         batcher.stop(timeout=5)
     print(f"{args.rows} running rows of {args.context} prompt tokens, {args.joins} joining requests of "
-          f"{args.prompt}: TTFT p50 {statistics.median(ttfts):.1f} ms, mean {statistics.mean(ttfts):.1f} ms")
+          f"{args.prompt}: TTFT p50 {statistics.median(ttfts):.1f} ms, mean {statistics.mean(ttfts):.1f} ms, "
+          f"max {max(ttfts):.1f} ms")
 
 
 if __name__ == "__main__":
