@@ -159,6 +159,22 @@ def llama_model():
     return model
 
 
+def _greedy_request(name: str, seed: int, length: int, max_tokens: int, out: dict[str, list[int]],
+                    finished: dict[str, threading.Event], on_emit=None) -> BatchRequest:
+    """A greedy request for `_prompt(seed, length)` whose tokens go to `out[name]`; `finished[name]`
+    is set when it ends, and `on_emit(name)` (if given) is called at each of its emits."""
+    def emit(items):
+        assert not isinstance(items, BaseException), items
+        out[name].extend(token for _, token, _, _, _ in items)
+        if on_emit is not None:
+            on_emit(name)
+        if any(finish for _, _, finish, _, _ in items):
+            finished[name].set()
+
+    return BatchRequest(name, _prompt(seed, length), SamplingParams(temperature=0, ignore_eos=True),
+                        max_tokens, set(), torch.Generator(), emit)
+
+
 def _held_positions(cache) -> int:
     """KV positions (rows x columns) a cache's full-attention layers hold, the most of any layer."""
     if cache is None:
@@ -191,17 +207,7 @@ def test_one_long_prompt_waits_until_the_batch_holds_room_for_its_padded_width(l
     finished = {name: threading.Event() for name in specs}
 
     def request(name):
-        seed, length, max_tokens = specs[name]
-
-        def emit(items):
-            assert not isinstance(items, BaseException), items
-            out[name].extend(token for _, token, _, _, _ in items)
-            order.append(name)
-            if any(finish for _, _, finish, _, _ in items):
-                finished[name].set()
-
-        return BatchRequest(name, _prompt(seed, length), SamplingParams(temperature=0, ignore_eos=True),
-                            max_tokens, set(), torch.Generator(), emit)
+        return _greedy_request(name, *specs[name], out, finished, on_emit=order.append)
 
     hook = llama_model.register_forward_hook(observe, with_kwargs=True)
     try:
@@ -427,25 +433,13 @@ def test_a_prompt_s_first_token_goes_out_before_the_running_rows_next_decode_ste
     out = {"running": [], "joining": []}
     finished = {name: threading.Event() for name in out}
 
-    def request(name, seed, length, max_tokens):
-        def emit(items):
-            assert not isinstance(items, BaseException), items
-            out[name].extend(token for _, token, _, _, _ in items)
-            if name == "joining":
-                log.append("joining")
-            if any(finish for _, _, finish, _, _ in items):
-                finished[name].set()
-
-        return BatchRequest(name, _prompt(seed, length), SamplingParams(temperature=0, ignore_eos=True),
-                            max_tokens, set(), torch.Generator(), emit)
-
     batcher.start()
     try:
-        batcher.submit(request("running", 1, 12, 60))
+        batcher.submit(_greedy_request("running", 1, 12, 60, out, finished))
         deadline = time.monotonic() + 30
         while len(out["running"]) < 3 and time.monotonic() < deadline:
             time.sleep(0.001)
-        batcher.submit(request("joining", 2, 20, 5))
+        batcher.submit(_greedy_request("joining", 2, 20, 5, out, finished, on_emit=log.append))
         for name in out:
             assert finished[name].wait(60), name
     finally:
